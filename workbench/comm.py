@@ -1,0 +1,255 @@
+"""Every collective workbench uses, each logged to the active tracer.
+
+One thin layer over ``torch.distributed``: each function calls the primitive and appends a
+``CommEvent`` (op, bytes, dtype, group ranks, start and end time) to ``trace.current()``. Because every
+strategy communicates through here, the bytes-per-step table, the communication timeline and the
+"ZeRO-3 moves 1.5x DDP's bytes" lesson all come from one measured log.
+
+With no process group (one process) or a group of one rank, the collectives are identities, so
+single-process training runs the same code path as data-parallel training.
+
+``group=None`` means the default (world) group, as in torch.distributed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workbench import trace
+from workbench.trace import CommEvent
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "product": dist.ReduceOp.PRODUCT}
+VALID_REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+# torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep working on older releases too.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def group_rank(group: Any = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def group_ranks(group: Any = None) -> tuple[int, ...]:
+    """Global ranks of ``group`` in group-rank order."""
+    if not is_distributed():
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def global_rank(group: Any, group_rank_: int) -> int:
+    """The global rank of ``group``'s member number ``group_rank_`` (send/recv take global ranks)."""
+    return group_ranks(group)[group_rank_]
+
+
+def bus_bytes(op: str, nbytes: int, world: int) -> float:
+    """Bytes one rank sends for ``op`` under the ring algorithm (nccl-tests' bus-bandwidth accounting).
+
+    all-reduce = reduce-scatter + all-gather, each moving (N-1)/N of the full tensor (Patarasuk & Yuan
+    2009); broadcast, send and recv move the tensor once.
+    """
+    if world <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (world - 1) / world * nbytes
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (world - 1) / world * nbytes
+    return float(nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _record(op: str, t: torch.Tensor, nbytes: int, group: Any, t0: float, async_op: bool = False,
+            tag: str = "", peer: int | None = None) -> None:
+    tracer = trace.current()
+    if tracer is None:
+        return
+    ranks = group_ranks(group)
+    world = 2 if op in ("send", "recv") else len(ranks)
+    tracer.record_comm(CommEvent(
+        op=op, nbytes=int(nbytes), bus_bytes=bus_bytes(op, nbytes, world), dtype=str(t.dtype).replace("torch.", ""),
+        shape=tuple(t.shape), group=ranks, t0=t0, t1=time.time(), rank=tracer.trace.rank,
+        async_op=async_op, tag=tag, peer=peer))
+
+
+class Work:
+    """Handle of an async op: ``wait()`` blocks, then logs the op with the time it really finished."""
+
+    def __init__(self, work: Any, on_done: Any) -> None:
+        self._work = work
+        self._on_done = on_done
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self._done = True
+        self._on_done()
+
+    def is_completed(self) -> bool:
+        return self._done or (self._work is not None and self._work.is_completed())
+
+
+def _finish(op: str, work: Any, async_op: bool, record: Any, after: Any = None) -> Work | None:
+    """Wait now (sync) or hand back a Work that logs on wait (async). ``after`` runs once the data is in."""
+
+    def on_done() -> None:
+        if after is not None:
+            after()
+        record()
+
+    handle = Work(work, on_done)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _reduce_op(op: str) -> Any:
+    if op not in VALID_REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; valid: {', '.join(VALID_REDUCE_OPS)}")
+    return _REDUCE_OPS.get(op, dist.ReduceOp.SUM)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False,
+               tag: str = "") -> Work | None:
+    """In-place all-reduce. ``op="avg"`` is a sum followed by a division (gloo has no AVG everywhere)."""
+    reduce_op = _reduce_op(op)
+    t0 = time.time()
+    world = group_size(group)
+    after = (lambda: tensor.div_(world)) if op == "avg" and world > 1 else None
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True) if world > 1 else None
+    return _finish("all_reduce", work, async_op,
+                   lambda: _record("all_reduce", tensor, _nbytes(tensor), group, t0, async_op, tag), after)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group: Any = None,
+                   async_op: bool = False, tag: str = "") -> Work | None:
+    """``output`` (shape input/N along dim 0) receives this rank's reduced chunk of ``input``."""
+    reduce_op = _reduce_op(op)
+    world = group_size(group)
+    if input.shape[0] != output.shape[0] * world:
+        raise ValueError(f"reduce_scatter: input dim 0 ({input.shape[0]}) must be world ({world}) x "
+                         f"output dim 0 ({output.shape[0]})")
+    t0 = time.time()
+    if world == 1:
+        output.copy_(input)
+        work = None
+    else:
+        work = _reduce_scatter_single(output, input, op=reduce_op, group=group, async_op=True)
+    after = (lambda: output.div_(world)) if op == "avg" and world > 1 else None
+    return _finish("reduce_scatter", work, async_op,
+                   lambda: _record("reduce_scatter", input, _nbytes(input), group, t0, async_op, tag), after)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
+               tag: str = "") -> Work | None:
+    """``output`` (N x input along dim 0) receives every rank's ``input`` in group-rank order."""
+    world = group_size(group)
+    if output.shape[0] != input.shape[0] * world:
+        raise ValueError(f"all_gather: output dim 0 ({output.shape[0]}) must be world ({world}) x "
+                         f"input dim 0 ({input.shape[0]})")
+    t0 = time.time()
+    if world == 1:
+        output.copy_(input)
+        work = None
+    else:
+        work = _all_gather_single(output, input, group=group, async_op=True)
+    return _finish("all_gather", work, async_op,
+                   lambda: _record("all_gather", output, _nbytes(output), group, t0, async_op, tag))
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False,
+              tag: str = "") -> Work | None:
+    """Broadcast from ``src``, a *global* rank as in torch.distributed."""
+    t0 = time.time()
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True) if group_size(group) > 1 else None
+    return _finish("broadcast", work, async_op,
+                   lambda: _record("broadcast", tensor, _nbytes(tensor), group, t0, async_op, tag))
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = None, async_op: bool = False,
+           tag: str = "") -> Work | None:
+    """Reduce to ``dst`` (a global rank); other ranks' tensors are left unspecified."""
+    reduce_op = _reduce_op(op)
+    world = group_size(group)
+    t0 = time.time()
+    work = dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=True) if world > 1 else None
+    is_dst = not is_distributed() or dist.get_rank() == dst
+    after = (lambda: tensor.div_(world)) if op == "avg" and world > 1 and is_dst else None
+    return _finish("reduce", work, async_op,
+                   lambda: _record("reduce", tensor, _nbytes(tensor), group, t0, async_op, tag), after)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
+               tag: str = "") -> Work | None:
+    """Chunk i of ``input`` goes to group rank i; chunk j of ``output`` comes from group rank j."""
+    t0 = time.time()
+    if group_size(group) == 1:
+        output.copy_(input)
+        work = None
+    else:
+        work = dist.all_to_all_single(output, input, group=group, async_op=True)
+    return _finish("all_to_all", work, async_op,
+                   lambda: _record("all_to_all", input, _nbytes(input), group, t0, async_op, tag))
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> None:
+    """Blocking send to global rank ``dst``."""
+    t0 = time.time()
+    dist.send(tensor, dst=dst, group=group)
+    _record("send", tensor, _nbytes(tensor), group, t0, tag=tag, peer=dst)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> None:
+    """Blocking receive from global rank ``src`` into ``tensor``."""
+    t0 = time.time()
+    dist.recv(tensor, src=src, group=group)
+    _record("recv", tensor, _nbytes(tensor), group, t0, tag=tag, peer=src)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> Work:
+    t0 = time.time()
+    work = dist.isend(tensor, dst=dst, group=group)
+    return Work(work, lambda: _record("send", tensor, _nbytes(tensor), group, t0, True, tag, dst))
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> Work:
+    t0 = time.time()
+    work = dist.irecv(tensor, src=src, group=group)
+    return Work(work, lambda: _record("recv", tensor, _nbytes(tensor), group, t0, True, tag, src))
+
+
+def barrier(group: Any = None, tag: str = "") -> None:
+    t0 = time.time()
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+    _record("barrier", torch.empty(0), 0, group, t0, tag=tag)
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (pickled; for small metadata, not tensors on a hot path)."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,407 @@
+"""Run a function on N real torch.distributed ranks, from a notebook cell, a script or under torchrun.
+
+``launch(fn, world_size)`` starts one process per rank, brings up the process group, calls ``fn`` on
+every rank and returns the per-rank return values in rank order, with each rank's trace attached.
+
+How it stays fast, safe and hang-free:
+
+* Ranks are forked from a *forkserver* that has already imported torch, so a launch costs ~0.1 s after
+  the first, and a rank never inherits an initialised CUDA context from the notebook kernel (plain fork
+  would). ``fn`` travels by value with cloudpickle, so functions defined in a notebook cell or a script's
+  ``__main__`` work (plain pickle, as ``mp.spawn`` uses, cannot ship those).
+* The rendezvous store is hosted by the caller on 127.0.0.1 on a port the OS picked, so there is no
+  free-port race and two launches in a row in one kernel never collide.
+* Every process group has ``timeout``: a collective that one rank never joins raises on the ranks that
+  did. A rank that raises or dies makes the caller stop all others at once and raise ``RankError``;
+  ranks exit on their own if the caller dies. No orphan processes in any of these cases.
+* Each rank's stdout/stderr (C++ included: fds 1 and 2 are redirected) is relayed to the caller's
+  ``sys.stdout``/``sys.stderr`` line by line, prefixed ``[rank r]``, so it appears in the notebook cell.
+"""
+
+from __future__ import annotations
+
+import codecs
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_module
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from workbench import trace
+
+VALID_BACKENDS = ("gloo", "nccl")
+_TERMINATE_GRACE_S = 2.0
+_DEATH_DRAIN_S = 0.5
+_ROOT_CAUSE_WINDOW_S = 1.0
+_TIMEOUT_ENV = "WORKBENCH_TIMEOUT"
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or timed out. ``rank``, ``remote_traceback`` and ``exit_code`` tell which/how."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = "", exit_code: int | None = None):
+        self.rank = rank
+        self.message = message
+        self.remote_traceback = remote_traceback
+        self.exit_code = exit_code
+        text = f"rank {rank} failed: {message}"
+        if remote_traceback:
+            text += f"\n\n--- traceback on rank {rank} ---\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+
+
+class RankResults(list):
+    """The per-rank return values of ``fn`` in rank order; ``.traces`` holds each rank's ``Trace``."""
+
+    def __init__(self, values: list[Any], traces: list[trace.Trace]):
+        super().__init__(values)
+        self.traces = traces
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available (one GPU per rank), gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or another launcher setting the env:// vars)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
+           timeout: float = 60.0, **kwargs: Any) -> RankResults:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
+
+    Raises ``RankError`` (a RuntimeError) naming the rank when a rank raises, dies or a collective times
+    out; ``ValueError`` for bad arguments, before any process is started.
+    """
+    backend = _validate(fn, world_size, backend, timeout)
+    if under_torchrun():
+        return _run_under_torchrun(fn, world_size, backend, timeout, args, kwargs)
+    return _spawn_and_run(fn, world_size, backend, timeout, args, kwargs)
+
+
+def _validate(fn: Any, world_size: Any, backend: str | None, timeout: Any) -> str:
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    backend = backend or default_backend()
+    if backend not in VALID_BACKENDS:
+        raise ValueError(f"backend must be one of {VALID_BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not under_torchrun():
+        gpus = torch.cuda.device_count()
+        if gpus < world_size:
+            raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+                             f"{gpus} CUDA device(s) visible; use backend='gloo' or a smaller world_size")
+    return backend
+
+
+# ----------------------------------------------------------------------------------------------------
+# torchrun: this process is one rank; run fn for it and share results so every rank returns the list.
+
+
+def _run_under_torchrun(fn: Callable[..., Any], world_size: int, backend: str, timeout: float,
+                        args: tuple, kwargs: dict) -> RankResults:
+    env_world = int(os.environ["WORLD_SIZE"])
+    if env_world != world_size:
+        raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_world} ranks; "
+                         f"pass world_size={env_world} or change --nproc-per-node")
+    rank = int(os.environ["RANK"])
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
+    os.environ[_TIMEOUT_ENV] = str(timeout)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout))
+    try:
+        with trace.tracing(rank=rank, world_size=world_size) as tracer:
+            result = fn(*args, **kwargs)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, (result, tracer.trace))
+        return RankResults([r for r, _ in gathered], [t for _, t in gathered])
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Notebook / script: spawn the ranks ourselves.
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    # Preloading makes each rank a fork of a process that has already paid torch's import (~1 s).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "workbench.launch"])
+    return ctx
+
+
+def _spawn_and_run(fn: Callable[..., Any], world_size: int, backend: str, timeout: float,
+                   args: tuple, kwargs: dict) -> RankResults:
+    ctx = _context()
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    messages = ctx.Queue()
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_rank_main, name=f"workbench-rank{rank}", daemon=True,
+                            args=(rank, world_size, store.port, backend, timeout, payload, messages,
+                                  os.getpid()))
+            p.start()
+            procs.append(p)
+        return _supervise(procs, messages, timeout)
+    finally:
+        _stop_all(procs)
+        messages.close()
+        messages.join_thread()
+        del store
+
+
+def _supervise(procs: list[Any], messages: Any, timeout: float) -> RankResults:
+    """Relay output, collect results; on the first failure stop everyone and raise."""
+    world_size = len(procs)
+    results: dict[int, tuple[Any, trace.Trace]] = {}
+    errors: list[RankError] = []
+    dead_since: dict[int, float] = {}
+    while len(results) < world_size and not errors:
+        _handle(_next_message(messages), results, errors)
+        _check_deaths(procs, results, errors, dead_since)
+    if errors:
+        # One failure causes others (peers see "connection closed", waiting ranks time out): listen a
+        # moment longer so the root cause and the rank that never joined can be told apart.
+        _collect_for(_ROOT_CAUSE_WINDOW_S, procs, messages, results, errors, dead_since)
+        _stop_all(procs)
+        _drain(messages, results, errors)
+        raise _explain(errors, results, world_size, timeout)
+    _drain(messages, results, errors)
+    ordered = [results[r] for r in range(world_size)]
+    return RankResults([value for value, _ in ordered], [t for _, t in ordered])
+
+
+def _check_deaths(procs: list[Any], results: dict, errors: list, dead_since: dict) -> None:
+    """A rank whose process ended without reporting died (signal, os._exit...)."""
+    now = time.time()
+    reported = {e.rank for e in errors}
+    for rank, p in enumerate(procs):
+        if rank in results or rank in reported or p.exitcode is None:
+            continue
+        # Its last messages may still be in the queue: give them a moment before calling it a death.
+        dead_since.setdefault(rank, now)
+        if now - dead_since[rank] > _DEATH_DRAIN_S:
+            errors.append(_death_error(rank, p.exitcode))
+
+
+def _collect_for(seconds: float, procs: list[Any], messages: Any, results: dict, errors: list,
+                 dead_since: dict) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline and len(results) + len({e.rank for e in errors}) < len(procs):
+        _handle(_next_message(messages), results, errors)
+        _check_deaths(procs, results, errors, dead_since)
+
+
+def _next_message(messages: Any, wait: float = 0.05) -> tuple | None:
+    try:
+        return messages.get(timeout=wait)
+    except queue_module.Empty:
+        return None
+
+
+def _handle(msg: tuple | None, results: dict, errors: list) -> None:
+    if msg is None:
+        return
+    kind, rank = msg[0], msg[1]
+    if kind == "out":
+        stream = sys.stdout if msg[2] == "stdout" else sys.stderr
+        stream.write(msg[3])
+        stream.flush()
+    elif kind == "ok":
+        results[rank] = cloudpickle.loads(msg[2])
+    elif kind == "error":
+        errors.append(RankError(rank, msg[2], msg[3]))
+
+
+def _drain(messages: Any, results: dict, errors: list) -> None:
+    while (msg := _next_message(messages, wait=0.01)) is not None:
+        _handle(msg, results, errors)
+
+
+def _death_error(rank: int, exit_code: int) -> RankError:
+    if exit_code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            how = f"was killed by signal {-exit_code}"
+    else:
+        how = f"exited with code {exit_code} without returning a result"
+    return RankError(rank, f"process {how}", exit_code=exit_code)
+
+
+_SECONDARY_MARKERS = ("connection closed", "connection reset", "read error", "broken pipe", "timed out",
+                      "timeout")
+
+
+def _root_cause_order(error: RankError) -> tuple[int, int]:
+    """Errors a rank raised itself first, then deaths, then symptoms seen by its peers."""
+    text = error.message.lower()
+    if error.exit_code is not None:
+        return (1, error.rank)
+    if any(marker in text for marker in _SECONDARY_MARKERS):
+        return (2, error.rank)
+    return (0, error.rank)
+
+
+def _explain(errors: list[RankError], results: dict, world_size: int, timeout: float) -> RankError:
+    """The root-cause error, with what a learner needs: who else failed, what a timeout usually means."""
+    errors = sorted(errors, key=_root_cause_order)
+    first, others = errors[0], errors[1:]
+    notes = []
+    if "timed out" in first.message.lower():
+        failed = {e.rank for e in errors}
+        silent = [r for r in range(world_size) if r not in results and r not in failed]
+        notes.append(f"a collective waited longer than timeout={timeout}s: usually a rank never joined it"
+                     + (f" (ranks that were still busy elsewhere: {silent})" if silent else ""))
+    if others:
+        notes.append("also failed: " + "; ".join(f"rank {e.rank} ({e.message.splitlines()[0][:100]})"
+                                                 for e in others))
+    if not notes:
+        return first
+    return RankError(first.rank, first.message + "\n" + "\n".join(notes), first.remote_traceback,
+                     first.exit_code)
+
+
+def _stop_all(procs: list[Any]) -> None:
+    """SIGTERM every live rank, then SIGKILL what is still there after a grace period; reap all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.time() + _TERMINATE_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inside a rank process.
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout: float, payload: bytes,
+               messages: Any, parent_pid: int) -> None:
+    pumps = _redirect_output(rank, messages)
+    _exit_when_parent_dies(parent_pid)
+    _set_rank_env(rank, world_size, port)
+    os.environ[_TIMEOUT_ENV] = str(timeout)
+    ok = False
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        _init_process_group(rank, world_size, port, backend, timeout)
+        with trace.tracing(rank=rank, world_size=world_size) as tracer:
+            result = fn(*args, **kwargs)
+        messages.put(("ok", rank, cloudpickle.dumps((result, tracer.trace))))
+        ok = True
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises is reported to the caller
+        messages.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        _restore_output(pumps)
+        messages.close()
+        messages.join_thread()
+    if ok and dist.is_initialized():
+        dist.destroy_process_group()
+    # Skip interpreter teardown: after a failure, gloo's destructors can block on dead peers.
+    os._exit(0 if ok else 1)
+
+
+def group_timeout() -> datetime.timedelta:
+    """The collective timeout ``launch`` gave this rank; sub-groups (``Mesh``) must use it too, since
+    torch gives a new group 30 minutes by default, whatever the world group has."""
+    return datetime.timedelta(seconds=float(os.environ.get(_TIMEOUT_ENV, 60.0)))
+
+
+def _set_rank_env(rank: int, world_size: int, port: int) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+
+
+def _init_process_group(rank: int, world_size: int, port: int, backend: str, timeout: float) -> None:
+    td = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        # N ranks share the machine's cores: one rank per core-share avoids oversubscription.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=td)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+
+
+def _redirect_output(rank: int, messages: Any) -> list[threading.Thread]:
+    """Point fds 1 and 2 at pipes whose lines are relayed to the caller, prefixed with the rank."""
+    pumps = []
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        pump = threading.Thread(target=_pump, args=(read_end, name, rank, messages), daemon=True)
+        pump.start()
+        pumps.append(pump)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    return pumps
+
+
+def _pump(read_end: int, name: str, rank: int, messages: Any) -> None:
+    prefix = f"[rank {rank}] "
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    while chunk := os.read(read_end, 65536):
+        pending += decoder.decode(chunk)
+        *lines, pending = pending.split("\n")
+        if lines:
+            messages.put(("out", rank, name, "".join(prefix + line + "\n" for line in lines)))
+    os.close(read_end)
+    if pending:
+        messages.put(("out", rank, name, prefix + pending + "\n"))
+
+
+def _restore_output(pumps: list[threading.Thread]) -> None:
+    """Flush, close the pipes' write ends (fds 1, 2 -> /dev/null) and wait for the relays to finish."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    for pump in pumps:
+        pump.join(5.0)
+
+
+def _exit_when_parent_dies(parent_pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()

@@ -1,0 +1,37 @@
+"""Theory: what memory and communication *should* cost, in pure Python (no torch, no workbench imports).
+
+Every measured figure in the course is drawn beside a prediction from here:
+- `memory`: per-rank bytes of parameters, gradients, master weights, optimizer state (ZeRO paper §5.1)
+  and activations (Korthikanti et al. 2022);
+- `comm`: α-β (Hockney) times of ring/tree/hierarchical collectives, bus bytes, bytes per DP step;
+- `models`: exact GPT parameter counts and named model sizes.
+"""
+
+from workbench.theory.comm import (
+    all_gather_time,
+    bus_bandwidth,
+    bus_bytes,
+    dp_step_volume,
+    fit_alpha_beta,
+    hierarchical_allreduce_time,
+    reduce_scatter_time,
+    ring_allreduce_time,
+    tree_allreduce_time,
+)
+from workbench.theory.memory import (
+    OPTIMIZERS,
+    PRECISIONS,
+    activation_bytes,
+    formula,
+    model_state_bytes,
+    offloaded_bytes,
+    total_bytes,
+)
+from workbench.theory.models import MODEL_PRESETS, activation_bytes_per_layer, gpt_param_count
+
+__all__ = [
+    "MODEL_PRESETS", "OPTIMIZERS", "PRECISIONS", "activation_bytes", "activation_bytes_per_layer",
+    "all_gather_time", "bus_bandwidth", "bus_bytes", "dp_step_volume", "fit_alpha_beta", "formula",
+    "gpt_param_count", "hierarchical_allreduce_time", "model_state_bytes", "offloaded_bytes",
+    "reduce_scatter_time", "ring_allreduce_time", "total_bytes", "tree_allreduce_time",
+]

@@ -1,0 +1,208 @@
+"""Cost of collectives in the α-β (Hockney 1994) model, and bytes moved per data-parallel step.
+
+A message of S bytes costs α + S/B: α is the per-message latency (s), B the link bandwidth (bytes/s).
+Collective algorithms follow Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective
+Communication Operations in MPICH": a ring reduce-scatter or all-gather over N ranks takes N−1 steps,
+each sending S/N bytes; a ring all-reduce is a reduce-scatter followed by an all-gather. Bus bandwidth
+uses the nccl-tests definition (NVIDIA, nccl-tests doc/PERFORMANCE.md) so that measured numbers are
+comparable to the link speed whatever the world size.
+
+Sizes are bytes, times seconds, bandwidths bytes/second. S always means the full (unsharded) tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Canonical op names, with the torch.distributed spellings the comm wrapper may log.
+_OP_ALIASES: dict[str, str] = {
+    "all_reduce": "all_reduce", "allreduce": "all_reduce",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all", "alltoall": "all_to_all",
+    "broadcast": "broadcast", "reduce": "reduce", "send": "send", "recv": "recv",
+}
+
+# Bytes each rank sends, as a multiple of S (nccl-tests "bus bandwidth" factors).
+_BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,  # reduce-scatter + all-gather, each (N−1)/N·S
+    "reduce_scatter": lambda n: (n - 1) / n,  # S = the full input; each rank ends with S/N
+    "all_gather": lambda n: (n - 1) / n,  # S = the full output; each rank starts with S/N
+    "all_to_all": lambda n: (n - 1) / n,  # S = one rank's buffer; it keeps its own 1/N
+    # A pipelined (chunked ring) broadcast/reduce passes all of S through every link: factor 1.
+    # A point-to-point message is S. These do not shrink or grow with N.
+    "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 1.0,
+}
+
+OPS: tuple[str, ...] = tuple(_BUS_FACTOR)
+
+
+def _check_world(name: str, world: int) -> None:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {world!r}")
+
+
+def _check_link(nbytes: float, alpha: float, bw: float) -> None:
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    if alpha < 0:
+        raise ValueError(f"alpha (latency, s) must be >= 0, got {alpha!r}")
+    if bw <= 0:
+        raise ValueError(f"bandwidth (bytes/s) must be > 0, got {bw!r}")
+
+
+def canonical_op(op: str) -> str:
+    """Map a collective name (ours or torch.distributed's) to one of OPS; ValueError if unknown."""
+    if op not in _OP_ALIASES:
+        raise ValueError(f"unknown op {op!r}; valid choices: {', '.join(sorted(_OP_ALIASES))}")
+    return _OP_ALIASES[op]
+
+
+def ring_allreduce_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
+    """Ring all-reduce: 2(N−1)·α + 2(N−1)/N · S/B (Patarasuk & Yuan 2009).
+
+    A reduce-scatter then an all-gather, as in Rabenseifner's algorithm (Thakur et al. 2005); the ring
+    reaches the bandwidth lower bound but pays N−1 latencies per phase where recursive halving pays log N.
+
+    The bandwidth term tends to 2·S/B as N grows: per-rank traffic does not grow with N, which is why
+    ring all-reduce scales. At N = 1 there is nothing to send and the time is 0.
+    """
+    _check_world("world", world)
+    _check_link(nbytes, alpha, beta_bw)
+    return 2 * (world - 1) * alpha + 2 * (world - 1) / world * nbytes / beta_bw
+
+
+def reduce_scatter_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
+    """Ring reduce-scatter of an S-byte tensor: (N−1)·α + (N−1)/N · S/B (N−1 steps of S/N bytes)."""
+    _check_world("world", world)
+    _check_link(nbytes, alpha, beta_bw)
+    return (world - 1) * alpha + (world - 1) / world * nbytes / beta_bw
+
+
+def all_gather_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
+    """Ring all-gather into an S-byte tensor: same cost as reduce-scatter, without the additions."""
+    return reduce_scatter_time(nbytes, world, alpha, beta_bw)
+
+
+def tree_allreduce_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
+    """Binary-tree reduce then broadcast, whole message per hop: 2·⌈log2 N⌉·(α + S/B).
+
+    No pipelining: each hop waits for the full S bytes, so the latency term is logarithmic in N (better
+    than ring for small S) but the bandwidth term is too (worse for large S). NCCL's trees split S into
+    chunks and overlap the hops, approaching 2·S/B; that refinement is not modelled here.
+    """
+    _check_world("world", world)
+    _check_link(nbytes, alpha, beta_bw)
+    return 2 * math.ceil(math.log2(world)) * (alpha + nbytes / beta_bw)
+
+
+def hierarchical_allreduce_time(
+    nbytes: float,
+    group_size: int,
+    n_groups: int,
+    alpha_intra: float,
+    bw_intra: float,
+    alpha_inter: float,
+    bw_inter: float,
+) -> float:
+    """Two-level all-reduce for N = group_size × n_groups ranks (e.g. GPUs per node × nodes).
+
+    1. ring reduce-scatter inside each group on the fast link: each rank ends with S/group_size summed
+       over its group;
+    2. ring all-reduce of that S/group_size shard across groups on the slow link (the group_size
+       rank-aligned rings run in parallel, one per NIC);
+    3. ring all-gather inside each group.
+    Only S/group_size crosses the slow link per rank, which is the point of doing it this way.
+    """
+    _check_world("group_size", group_size)
+    _check_world("n_groups", n_groups)
+    intra = reduce_scatter_time(nbytes, group_size, alpha_intra, bw_intra)
+    inter = ring_allreduce_time(nbytes / group_size, n_groups, alpha_inter, bw_inter)
+    return intra + inter + all_gather_time(nbytes, group_size, alpha_intra, bw_intra)
+
+
+def bus_bytes(op: str, nbytes: float, world: int) -> float:
+    """Bytes each rank sends for `op` on S = `nbytes` under the ring algorithm.
+
+    all_reduce 2(N−1)/N·S; reduce_scatter and all_gather (N−1)/N·S with S the full, unsharded tensor;
+    all_to_all (N−1)/N·S with S one rank's buffer; broadcast, reduce, send, recv: S (every link of a
+    pipelined broadcast carries the whole message once, whatever N).
+    """
+    _check_world("world", world)
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    return _BUS_FACTOR[canonical_op(op)](world) * nbytes
+
+
+def bus_bandwidth(op: str, nbytes: float, world: int, seconds: float) -> float:
+    """nccl-tests bus bandwidth: bus_bytes / time, comparable to the link's peak for any N."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    return bus_bytes(op, nbytes, world) / seconds
+
+
+def algorithm_bandwidth(nbytes: float, seconds: float) -> float:
+    """nccl-tests algorithm bandwidth: S / time (what the user sees, but it depends on N)."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    return nbytes / seconds
+
+
+def dp_step_collectives(n_params: int, bytes_per_param: float, zero_stage: int) -> list[tuple[str, float]]:
+    """The collectives of one data-parallel step, as (op, S) with S the full-model tensor size in bytes.
+
+    DDP: all-reduce the gradients. ZeRO-1/2: reduce-scatter the gradients so each rank gets the sum of
+    its shard, update the shard, all-gather the parameters (ZeRO paper §7.2: same 2Ψ as DDP).
+    ZeRO-3: all-gather parameters for forward, again for backward, reduce-scatter gradients (§7.2.2:
+    3Ψ, 1.5× DDP). Ultra-Scale Playbook, "ZeRO" section, gives the same counts.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"unknown zero_stage {zero_stage!r}; valid choices: 0, 1, 2, 3")
+    size = float(n_params) * bytes_per_param
+    if zero_stage == 0:
+        return [("all_reduce", size)]
+    if zero_stage in (1, 2):
+        return [("reduce_scatter", size), ("all_gather", size)]
+    return [("all_gather", size), ("all_gather", size), ("reduce_scatter", size)]
+
+
+def dp_step_volume(n_params: int, bytes_per_param: float, zero_stage: int, world: int) -> dict[str, float]:
+    """Bytes per rank per step for data parallelism, in two forms.
+
+    "logical": the textbook count, 2Ψ·bytes for DDP/ZeRO-1/ZeRO-2 and 3Ψ·bytes for ZeRO-3 (an
+    all-reduce counts as 2Ψ, a reduce-scatter or all-gather as Ψ), independent of N.
+    "ring_wire": what each rank actually sends under ring algorithms, logical × (N−1)/N (0 at N = 1).
+    """
+    _check_world("world", world)
+    ops = dp_step_collectives(n_params, bytes_per_param, zero_stage)
+    logical = sum(2 * s if op == "all_reduce" else s for op, s in ops)
+    wire = sum(bus_bytes(op, s, world) for op, s in ops)
+    return {"logical": logical, "ring_wire": wire}
+
+
+def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """Least-squares fit of t = α + S/B to measurements; returns (α seconds, B bytes/s).
+
+    Ordinary least squares on (S, t): slope = 1/B, intercept = α. A non-positive slope (times that do
+    not grow with size, e.g. all in the latency regime) gives B = inf; a negative intercept is clamped
+    to 0 since latency cannot be negative.
+    """
+    if len(sizes) != len(times):
+        raise ValueError(f"sizes and times differ in length: {len(sizes)} vs {len(times)}")
+    if len(set(sizes)) < 2:
+        raise ValueError("fit_alpha_beta needs at least two distinct sizes")
+    n = len(sizes)
+    mean_s, mean_t = sum(sizes) / n, sum(times) / n
+    cov = sum((s - mean_s) * (t - mean_t) for s, t in zip(sizes, times, strict=True))
+    var = sum((s - mean_s) ** 2 for s in sizes)
+    slope = cov / var
+    alpha = max(mean_t - slope * mean_s, 0.0)
+    return alpha, (1.0 / slope if slope > 0 else math.inf)
+
+
+__all__ = [
+    "OPS", "algorithm_bandwidth", "all_gather_time", "bus_bandwidth", "bus_bytes", "canonical_op",
+    "dp_step_collectives", "dp_step_volume", "fit_alpha_beta", "hierarchical_allreduce_time",
+    "reduce_scatter_time", "ring_allreduce_time", "tree_allreduce_time",
+]

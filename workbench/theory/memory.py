@@ -1,0 +1,271 @@
+"""Per-rank memory of training: model states (ZeRO accounting) and activations.
+
+Model states follow Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", §3.1 and §5.1: with Ψ parameters, mixed-precision Adam keeps 2Ψ bytes of 16-bit
+parameters, 2Ψ of 16-bit gradients and KΨ = 12Ψ of optimizer state (a 4Ψ fp32 master copy plus 4Ψ
+momentum and 4Ψ variance). ZeRO stage 1 shards the K term over the N data-parallel ranks, stage 2 also
+the gradients, stage 3 also the parameters. Pure fp32 training has no separate master copy: 4Ψ + 4Ψ + 8Ψ.
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", §4, which the Ultra-Scale Playbook also uses.
+
+Everything here is plain arithmetic on ints and floats (no torch), so the trace layer, the widgets and the
+tests can all call it. Bytes are per rank unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+PRECISIONS: frozenset[str] = frozenset({"fp32", "bf16-mixed", "fp16-mixed"})
+
+# Number of fp32 state tensors, each the size of the parameters, that the optimizer keeps.
+# AdamW: exp_avg and exp_avg_sq (Loshchilov & Hutter 2019); SGD with momentum: the momentum buffer.
+OPTIMIZERS: dict[str, int] = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
+
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+# Category names shared with the trace ledger and the figures; keep them stable.
+CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "master_weights", "optimizer_state")
+
+# Bytes per unit. Binary units (KiB, MiB, GiB) are what allocators and nvidia-smi report.
+BYTE_UNITS: dict[str, float] = {
+    "B": 1.0,
+    "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+    "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30, "TiB": 2.0**40,
+}
+
+
+def to_unit(nbytes: float, unit: str = "GiB") -> float:
+    """Convert a byte count to `unit` (one of BYTE_UNITS)."""
+    _check_choice("unit", unit, BYTE_UNITS)
+    return nbytes / BYTE_UNITS[unit]
+
+
+def _check_choice(name: str, value: object, choices) -> None:
+    """Raise ValueError naming the bad value and the valid ones (a learner's typo should teach)."""
+    if value not in choices:
+        valid = ", ".join(repr(c) for c in sorted(choices))
+        raise ValueError(f"unknown {name} {value!r}; valid choices: {valid}")
+
+
+def _check_config(n_params: int, dp: int, zero_stage: int, precision: str, optimizer: str) -> None:
+    if isinstance(n_params, bool) or not isinstance(n_params, int | float) or n_params < 0:
+        raise ValueError(f"n_params must be a non-negative number, got {n_params!r}")
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be an integer >= 1, got {dp!r}")
+    _check_choice("zero_stage", zero_stage, ZERO_STAGES)
+    _check_choice("precision", precision, PRECISIONS)
+    _check_choice("optimizer", optimizer, OPTIMIZERS)
+
+
+def _replicated_bytes(n_params: float, precision: str, optimizer: str) -> dict[str, float]:
+    """Bytes of each category for one full, unsharded copy (ZeRO paper §3.1, §5.1)."""
+    states = 4.0 * OPTIMIZERS[optimizer] * n_params  # fp32 states whatever the compute precision
+    if precision == "fp32":
+        return {"parameters": 4.0 * n_params, "gradients": 4.0 * n_params, "optimizer_state": states}
+    # bf16/fp16 mixed: 16-bit params and grads; the fp32 master copy is what the optimizer updates.
+    # (The fp16 loss scaler is one scalar, so both mixed modes cost the same bytes.)
+    return {
+        "parameters": 2.0 * n_params,
+        "gradients": 2.0 * n_params,
+        "master_weights": 4.0 * n_params,
+        "optimizer_state": states,
+    }
+
+
+def _sharded_categories(zero_stage: int) -> set[str]:
+    """Categories that ZeRO stage `zero_stage` partitions over the dp ranks (ZeRO paper §5.1)."""
+    sharded: set[str] = set()
+    if zero_stage >= 1:
+        sharded |= {"optimizer_state", "master_weights"}  # P_os
+    if zero_stage >= 2:
+        sharded.add("gradients")  # P_os+g
+    if zero_stage >= 3:
+        sharded.add("parameters")  # P_os+g+p
+    return sharded
+
+
+def _offloaded_categories(zero_stage: int, offload: bool) -> set[str]:
+    """Categories that live in CPU memory under offload.
+
+    ZeRO-Offload (Ren et al. 2021) keeps the fp32 master copy and Adam states on the CPU and runs the
+    optimizer step there; ZeRO-3 with parameter offload (ZeRO-Infinity, Rajbhandari et al. 2021) also
+    parks the parameter shards on the CPU and gathers them onto the device layer by layer. Gradients are
+    produced on the device, so we keep them there (FSDP2's CPUOffloadPolicy also moves them; that
+    difference is small beside the K term and is noted rather than modelled).
+    """
+    if not offload:
+        return set()
+    moved = {"optimizer_state", "master_weights"}
+    if zero_stage == 3:
+        moved.add("parameters")
+    return moved
+
+
+def _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer) -> dict[str, float]:
+    _check_config(n_params, dp, zero_stage, precision, optimizer)
+    sharded = _sharded_categories(zero_stage)
+    full = _replicated_bytes(float(n_params), precision, optimizer)
+    return {k: (v / dp if k in sharded else v) for k, v in full.items()}
+
+
+def model_state_bytes(
+    n_params: int,
+    dp: int = 1,
+    zero_stage: int = 0,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    offload: bool = False,
+) -> dict[str, float]:
+    """Device bytes per rank for parameters, gradients, optimizer_state (and master_weights if mixed).
+
+    With `offload=True` the categories moved to the CPU are still present, as 0.0, so a figure keeps the
+    same stack; `offloaded_bytes` returns what went to the CPU instead.
+
+    >>> model_state_bytes(10**9)["optimizer_state"]  # fp32 Adam: 8 bytes per parameter
+    8000000000.0
+    """
+    per_rank = _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer)
+    moved = _offloaded_categories(zero_stage, offload)
+    return {k: (0.0 if k in moved else v) for k, v in per_rank.items()}
+
+
+def offloaded_bytes(
+    n_params: int,
+    dp: int = 1,
+    zero_stage: int = 0,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    offload: bool = True,
+) -> dict[str, float]:
+    """CPU bytes per rank under offload, same keys as `model_state_bytes` (0.0 where nothing moved)."""
+    per_rank = _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer)
+    moved = _offloaded_categories(zero_stage, offload)
+    return {k: (v if k in moved else 0.0) for k, v in per_rank.items()}
+
+
+def total_bytes(
+    n_params: int,
+    dp: int = 1,
+    zero_stage: int = 0,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    offload: bool = False,
+    activations: float = 0.0,
+) -> float:
+    """Device bytes per rank: model states plus `activations` (e.g. from `activation_bytes`)."""
+    states = model_state_bytes(n_params, dp, zero_stage, precision, optimizer, offload)
+    return sum(states.values()) + activations
+
+
+def _coeff(x: float) -> str:
+    return f"{x:g}Ψ"
+
+
+def formula(zero_stage: int, precision: str = "fp32", optimizer: str = "adamw", offload: bool = False) -> str:
+    """Human-readable per-rank formula in the ZeRO paper's notation, e.g. "2Ψ + 2Ψ + 12Ψ/N".
+
+    Terms are parameters + gradients + K (master copy and optimizer states); terms sharded by ZeRO are
+    merged into one "/N" term, as in the paper's Figure 1. Offloaded terms are shown after "CPU:".
+    """
+    per_param = _replicated_bytes(1.0, precision, optimizer)
+    _check_config(1, 1, zero_stage, precision, optimizer)
+    sharded = _sharded_categories(zero_stage)
+    moved = _offloaded_categories(zero_stage, offload)
+    k = per_param.get("master_weights", 0.0) + per_param["optimizer_state"]
+    terms = [("parameters", per_param["parameters"]), ("gradients", per_param["gradients"]), ("K", k)]
+    dev, cpu = _formula_side(terms, sharded, moved, on_cpu=False), _formula_side(terms, sharded, moved, True)
+    return dev if not cpu else f"{dev}  (CPU: {cpu})"
+
+
+def _formula_side(terms, sharded: set[str], moved: set[str], on_cpu: bool) -> str:
+    """Join the replicated terms and one merged sharded term for the device or the CPU side."""
+    shard_names = {"K" if n in ("optimizer_state", "master_weights") else n for n in sharded}
+    moved_names = {"K" if n in ("optimizer_state", "master_weights") else n for n in moved}
+    picked = [(n, c) for n, c in terms if c > 0 and ((n in moved_names) == on_cpu)]
+    whole = [_coeff(c) for n, c in picked if n not in shard_names]
+    split = sum(c for n, c in picked if n in shard_names)
+    if split:
+        whole.append(f"{_coeff(split)}/N")
+    return " + ".join(whole) if whole else ("0" if not on_cpu else "")
+
+
+def _check_positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def activation_bytes(
+    batch: int,
+    seq_len: int,
+    d_model: int,
+    n_layer: int,
+    n_head: int,
+    bytes_per_value: float = 4,
+    recompute: str = "none",
+    dropout: bool = True,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+) -> float:
+    """Saved-activation bytes per rank for the transformer blocks (Korthikanti et al. 2022, §4).
+
+    The paper counts, per layer, sbh(34 + 5as/h) bytes for 16-bit activations with s = seq_len,
+    b = batch, h = d_model, a = n_head. Splitting that count into values and 1-byte dropout masks
+    (so it scales with `bytes_per_value` = p instead of assuming p = 2):
+
+    - attention: QKV input, Q, K, V, output-projection input = 5p·sbh; softmax output and its dropout
+      output = 2p·as²b; two dropout masks (attention probs, output) = as²b + sbh
+    - MLP: fc input p·sbh, GeLU input 4p·sbh, GeLU output 4p·sbh, dropout mask sbh
+    - two LayerNorm inputs: 2p·sbh
+
+    total per layer = (16p + 2)·sbh + (2p + 1)·as²b, which is 34·sbh + 5·as²b at p = 2.
+    `dropout=False` (nanoGPT with p_drop = 0, llama) drops the mask bytes and the dropout output:
+    16p·sbh + p·as²b.
+
+    Assumptions: a 4h MLP; embeddings, final LayerNorm, logits and the loss are not counted (the paper
+    treats them separately, they are small for many layers); no allocator fragmentation; one micro-batch
+    in flight (pipeline schedules multiply this).
+
+    recompute: "none" keeps everything; "selective" recomputes the attention core, dropping the as²b
+    terms (paper §5); "full" keeps only each layer's input, p·sbh per layer (the transient activations of
+    the one layer being recomputed in the backward pass are not included).
+    tp/sequence_parallel: tensor parallelism splits all but the LayerNorm inputs, the linear inputs that
+    follow them and the 2 dropout masks (4p + 2)·sbh; sequence parallelism splits those too (paper §4.2).
+    """
+    for name, value in (("batch", batch), ("seq_len", seq_len), ("d_model", d_model),
+                        ("n_layer", n_layer), ("n_head", n_head), ("tp", tp)):
+        _check_positive_int(name, value)
+    _check_choice("recompute", recompute, RECOMPUTE_MODES)
+    if bytes_per_value <= 0:
+        raise ValueError(f"bytes_per_value must be > 0, got {bytes_per_value!r}")
+    sbh = float(seq_len) * batch * d_model
+    if recompute == "full":
+        per_layer = bytes_per_value * sbh / (tp if sequence_parallel else 1)
+        return n_layer * per_layer
+    per_layer = _layer_linear_bytes(sbh, bytes_per_value, dropout, tp, sequence_parallel)
+    if recompute == "none":
+        per_layer += _attention_core_bytes(batch, seq_len, n_head, bytes_per_value, dropout) / tp
+    return n_layer * per_layer
+
+
+def _attention_core_bytes(batch: int, seq_len: int, n_head: int, p: float, dropout: bool) -> float:
+    """The as²b part of one layer: softmax output (+ dropout mask and output when dropout is on)."""
+    per_score = 2.0 * p + 1.0 if dropout else p
+    return per_score * n_head * float(seq_len) ** 2 * batch
+
+
+def _layer_linear_bytes(sbh: float, p: float, dropout: bool, tp: int, sp: bool) -> float:
+    """The sbh-proportional part of one layer: (16p + 2)·sbh with dropout, 16p·sbh without."""
+    masks = 2.0 if dropout else 0.0
+    unsplit = 4.0 * p + masks  # LayerNorm inputs, the linear inputs after them, two dropout masks
+    split = 12.0 * p  # everything else is partitioned by tensor parallelism
+    if sp:
+        return (unsplit + split) * sbh / tp
+    return (unsplit + split / tp) * sbh
+
+
+__all__ = [
+    "BYTE_UNITS", "CATEGORIES", "OPTIMIZERS", "PRECISIONS", "RECOMPUTE_MODES", "ZERO_STAGES",
+    "activation_bytes", "formula", "model_state_bytes", "offloaded_bytes", "to_unit",
+    "total_bytes",
+]

@@ -1,0 +1,258 @@
+"""Per-rank traces: named spans, a communication log and a memory ledger.
+
+Everything recorded here is a plain dataclass of numbers and strings, so a trace pickles across the
+process boundary, serialises to JSON for ``summary.json`` and is drawn by ``workbench.viz`` without
+touching torch.distributed.
+
+Each rank process has at most one *active* tracer (set by ``launch`` for the duration of the user's
+function). ``comm`` and the parallel wrappers record into ``current()``; with no active tracer, recording
+is a no-op, so library code never has to check. Timestamps are ``time.time()`` seconds, comparable across
+the ranks of one machine (and, with synchronised clocks, of a cluster).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Categories of the memory ledger, in the order figures stack them.
+MEMORY_CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "master_weights",
+    "activations",
+    "comm_buffers",
+    "gathered_params",
+)
+
+#: Categories of spans; viz colours them consistently.
+SPAN_CATEGORIES = ("forward", "backward", "optimizer", "comm", "wait", "idle", "data", "other")
+
+
+@dataclass
+class Span:
+    """A named interval of work on one rank (forward, backward, optimizer step, waiting...)."""
+
+    name: str
+    category: str
+    t0: float
+    t1: float
+    rank: int
+    step: int | None = None
+
+
+@dataclass
+class CommEvent:
+    """One collective or point-to-point operation as seen by one rank.
+
+    ``nbytes`` is the logical size of the full tensor the op works on (the unsharded tensor for
+    reduce-scatter / all-gather), ``bus_bytes`` what this rank sends under the ring algorithm
+    (nccl-tests' "bus bandwidth" accounting), so sum(bus_bytes)/time is comparable across ops.
+    For async ops ``t1`` is when ``wait()`` returned.
+    """
+
+    op: str
+    nbytes: int
+    bus_bytes: float
+    dtype: str
+    shape: tuple[int, ...]
+    group: tuple[int, ...]
+    t0: float
+    t1: float
+    rank: int
+    async_op: bool = False
+    tag: str = ""
+    step: int | None = None
+    peer: int | None = None
+
+
+@dataclass
+class MemoryLedger:
+    """Bytes per category on this rank: the current value and the peak seen.
+
+    On CPU there is no allocator counter, so code that owns memory (a wrapper allocating a flat gradient
+    buffer, an optimizer creating state, saved-tensor hooks) reports it here. Peaks are tracked per
+    category and for the total at the moment of each update.
+    """
+
+    current: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+    peak_total: int = 0
+
+    def set(self, category: str, nbytes: int) -> None:
+        _check_category(category)
+        self.current[category] = int(nbytes)
+        self.peak[category] = max(self.peak.get(category, 0), int(nbytes))
+        self.peak_total = max(self.peak_total, self.total())
+
+    def add(self, category: str, delta: int) -> None:
+        self.set(category, self.current.get(category, 0) + int(delta))
+
+    def total(self) -> int:
+        return sum(self.current.values())
+
+    def reset_peaks(self) -> None:
+        self.peak = dict(self.current)
+        self.peak_total = self.total()
+
+
+def _check_category(category: str) -> None:
+    if category not in MEMORY_CATEGORIES:
+        raise ValueError(f"unknown memory category {category!r}; valid: {', '.join(MEMORY_CATEGORIES)}")
+
+
+@dataclass
+class Trace:
+    """Everything one rank recorded. Plain data: pickles and turns into JSON via ``to_dict``."""
+
+    rank: int
+    world_size: int
+    spans: list[Span] = field(default_factory=list)
+    comms: list[CommEvent] = field(default_factory=list)
+    memory: MemoryLedger = field(default_factory=MemoryLedger)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trace:
+        return cls(
+            rank=d["rank"],
+            world_size=d["world_size"],
+            spans=[Span(**s) for s in d.get("spans", [])],
+            comms=[CommEvent(**{**c, "shape": tuple(c["shape"]), "group": tuple(c["group"])})
+                   for c in d.get("comms", [])],
+            memory=MemoryLedger(**d.get("memory", {})),
+            metrics=list(d.get("metrics", [])),
+        )
+
+    def comm_bytes(self, op: str | None = None, step: int | None = None, tag: str | None = None) -> int:
+        """Sum of logical bytes of the matching communication events."""
+        return sum(e.nbytes for e in self._select(op, step, tag))
+
+    def bus_bytes(self, op: str | None = None, step: int | None = None, tag: str | None = None) -> float:
+        return sum(e.bus_bytes for e in self._select(op, step, tag))
+
+    def _select(self, op: str | None, step: int | None, tag: str | None) -> Iterator[CommEvent]:
+        for e in self.comms:
+            if (op is None or e.op == op) and (step is None or e.step == step) and (tag is None or e.tag == tag):
+                yield e
+
+
+class Tracer:
+    """Records into a ``Trace``. Use ``span`` as a context manager; ``comm`` records collectives."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.trace = Trace(rank=rank, world_size=world_size)
+        self.step: int | None = None
+        self.enabled = True
+
+    @property
+    def memory(self) -> MemoryLedger:
+        return self.trace.memory
+
+    @contextmanager
+    def span(self, name: str, category: str = "other") -> Iterator[None]:
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            if self.enabled:
+                self.trace.spans.append(Span(name, category, t0, time.time(), self.trace.rank, self.step))
+
+    def record_comm(self, event: CommEvent) -> None:
+        if self.enabled:
+            event.step = self.step if event.step is None else event.step
+            self.trace.comms.append(event)
+
+    def record_metrics(self, metrics: dict[str, Any]) -> None:
+        self.trace.metrics.append(dict(metrics))
+
+    @contextmanager
+    def activations(self) -> Iterator[None]:
+        """Count bytes autograd saves for backward (saved-tensor hooks) into the ledger's ``activations``.
+
+        Tensors are de-duplicated by storage, and a leaf that requires grad (a parameter) is not an
+        activation: its bytes already sit under ``parameters``. Autograd frees saved tensors as backward
+        consumes them, which no hook reports, so the ledger holds this forward's total (its peak) until
+        the caller calls ``release_activations`` after backward.
+        """
+        import torch
+
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, torch.nn.Parameter) or t.requires_grad and t.is_leaf:
+                return t
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                self.memory.add("activations", t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def release_activations(self) -> None:
+        self.memory.set("activations", 0)
+
+
+class _Active:
+    """The tracer of this process, if any. A process-local slot, not a process group."""
+
+    tracer: Tracer | None = None
+
+
+def current() -> Tracer | None:
+    """The active tracer of this process, or None when nothing is being traced."""
+    return _Active.tracer
+
+
+@contextmanager
+def tracing(tracer: Tracer | None = None, rank: int = 0, world_size: int = 1) -> Iterator[Tracer]:
+    """Make ``tracer`` (a new one by default) the active tracer for the duration of the block."""
+    previous = _Active.tracer
+    _Active.tracer = tracer if tracer is not None else Tracer(rank, world_size)
+    try:
+        yield _Active.tracer
+    finally:
+        _Active.tracer = previous
+
+
+@contextmanager
+def span(name: str, category: str = "other") -> Iterator[None]:
+    """Record a span on the active tracer; a no-op when nothing is being traced."""
+    tracer = current()
+    if tracer is None:
+        yield
+        return
+    with tracer.span(name, category):
+        yield
+
+
+def set_step(step: int | None) -> None:
+    tracer = current()
+    if tracer is not None:
+        tracer.step = step
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes held by an iterable of tensors (duck-typed: anything with numel and element_size)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def ledger_set(category: str, nbytes: int) -> None:
+    tracer = current()
+    if tracer is not None:
+        tracer.memory.set(category, nbytes)
+
+
+def ledger_add(category: str, delta: int) -> None:
+    tracer = current()
+    if tracer is not None:
+        tracer.memory.add(category, delta)
