@@ -1,0 +1,89 @@
+"""Per-rank timelines: one row per rank, spans and collectives as horizontal bars on a shared clock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+
+from workbench.trace import Trace
+
+SPAN_COLOURS = {
+    "forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "comm": "#E45756",
+    "wait": "#B279A2", "idle": "#DDDDDD", "data": "#9D755D", "other": "#BAB0AC",
+}
+COMM_COLOURS = {
+    "all_reduce": "#E45756", "reduce_scatter": "#FF9DA6", "all_gather": "#72B7B2", "broadcast": "#EECA3B",
+    "send": "#9467BD", "recv": "#8C564B", "reduce": "#D62728", "all_to_all": "#17BECF", "barrier": "#7F7F7F",
+}
+
+
+def _as_trace(t: Trace | dict) -> Trace:
+    return t if isinstance(t, Trace) else Trace.from_dict(t)
+
+
+def _origin(traces: Sequence[Trace]) -> float:
+    starts = [s.t0 for t in traces for s in t.spans] + [c.t0 for t in traces for c in t.comms]
+    return min(starts) if starts else 0.0
+
+
+def _bars(name: str, colour: str, y: list[str], base: list[float], width: list[float], text: list[str],
+          legendgroup: str, offset: float) -> go.Bar:
+    return go.Bar(name=name, y=y, base=base, x=width, orientation="h", marker_color=colour,
+                  hovertext=text, hoverinfo="text", legendgroup=legendgroup, width=0.38, offset=offset)
+
+
+def timeline(traces: Sequence[Trace | dict], title: str = "per-rank timeline (measured)",
+             unit: str = "ms") -> go.Figure:
+    """Spans (upper half of each rank's row) and communication events (lower half), per rank.
+
+    Times are relative to the earliest event of any rank, so ranks line up on one clock: a collective that
+    starts late on one rank shows the others waiting for it.
+    """
+    traces = [_as_trace(t) for t in traces]
+    t_origin = _origin(traces)
+    scale = {"ms": 1e3, "s": 1.0, "us": 1e6}[unit]
+    fig = go.Figure()
+    for category, colour in SPAN_COLOURS.items():
+        rows = [(f"rank {t.rank}", s) for t in traces for s in t.spans if s.category == category]
+        if rows:
+            fig.add_trace(_bars(category, colour, [r for r, _ in rows],
+                                [(s.t0 - t_origin) * scale for _, s in rows],
+                                [max((s.t1 - s.t0) * scale, 1e-3) for _, s in rows],
+                                [f"{s.name} ({(s.t1 - s.t0) * 1e3:.2f} ms)" for _, s in rows],
+                                "spans", -0.4))
+    for op in sorted({c.op for t in traces for c in t.comms}):
+        rows = [(f"rank {t.rank}", c) for t in traces for c in t.comms if c.op == op]
+        fig.add_trace(_bars(op, COMM_COLOURS.get(op, "#333333"), [r for r, _ in rows],
+                            [(c.t0 - t_origin) * scale for _, c in rows],
+                            [max((c.t1 - c.t0) * scale, 1e-3) for _, c in rows],
+                            [_comm_label(c) for _, c in rows], "comms", 0.02))
+    ranks = [f"rank {t.rank}" for t in sorted(traces, key=lambda t: t.rank)]
+    fig.update_layout(title=title, barmode="overlay", xaxis_title=f"time ({unit})",
+                      yaxis={"categoryorder": "array", "categoryarray": ranks[::-1]},
+                      height=max(250, 90 * len(traces) + 120), legend_title="upper: spans / lower: comm")
+    return fig
+
+
+def _comm_label(c: Any) -> str:
+    peer = f" peer {c.peer}" if c.peer is not None else ""
+    tag = f" [{c.tag}]" if c.tag else ""
+    return (f"{c.op}{tag}{peer}: {c.nbytes / 2**20:.3f} MiB {c.dtype} {list(c.shape)}, group {list(c.group)}, "
+            f"{(c.t1 - c.t0) * 1e3:.2f} ms")
+
+
+def comm_table(traces: Sequence[Trace | dict], step: int | None = None) -> list[dict[str, Any]]:
+    """Rows (rank, op, tag, count, MiB, bus MiB, ms) summing the communication log, for tables and tests."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for t in (_as_trace(t) for t in traces):
+        for c in t.comms:
+            if step is not None and c.step != step:
+                continue
+            row = rows.setdefault((t.rank, c.op, c.tag), {"rank": t.rank, "op": c.op, "tag": c.tag, "count": 0,
+                                                           "MiB": 0.0, "bus_MiB": 0.0, "ms": 0.0})
+            row["count"] += 1
+            row["MiB"] += c.nbytes / 2**20
+            row["bus_MiB"] += c.bus_bytes / 2**20
+            row["ms"] += (c.t1 - c.t0) * 1e3
+    return sorted(rows.values(), key=lambda r: (r["rank"], r["op"], r["tag"]))

@@ -1,0 +1,233 @@
+"""Memory calculator: how many bytes per rank does a model need, and does it fit one device?
+
+The numbers come from `workbench.theory` (ZeRO paper §5.1 for model states, Korthikanti et al. 2022
+for activations). `calculator_table` is the whole calculation as a pure function, so tests and the CLI
+use exactly what the widget shows; the widget only collects inputs and draws.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+
+from workbench.theory.memory import (
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTE_MODES,
+    ZERO_STAGES,
+    activation_bytes,
+    formula,
+    model_state_bytes,
+    offloaded_bytes,
+    to_unit,
+)
+from workbench.theory.models import MODEL_PRESETS
+from workbench.viz.memory import memory_bars
+
+CUSTOM = "custom"
+DEVICE_MEMORY_GB: tuple[int, ...] = (24, 40, 80, 141)  # RTX 4090/A100-40/A100-80, H100/H200
+DP_CHOICES: tuple[int, ...] = tuple(2**k for k in range(11))  # 1 .. 1024
+
+
+def _n_params(model: str, custom_params_b: float | None) -> int:
+    if model == CUSTOM:
+        if custom_params_b is None or not custom_params_b > 0:
+            raise ValueError(f"model 'custom' needs custom_params_b > 0, got {custom_params_b!r}")
+        return int(round(custom_params_b * 1e9))
+    if model not in MODEL_PRESETS:
+        choices = ", ".join(sorted([*MODEL_PRESETS, CUSTOM]))
+        raise ValueError(f"unknown model {model!r}; valid choices: {choices}")
+    return MODEL_PRESETS[model]["n_params"]
+
+
+def _activations(model: str, batch: int, seq_len: int | None, precision: str, recompute: str) -> float:
+    """Saved activations of one micro-batch (not sharded by data parallelism: each rank has its own)."""
+    shape = MODEL_PRESETS[model]
+    bytes_per_value = 4 if precision == "fp32" else 2
+    s = seq_len or shape["seq_len"]
+    return activation_bytes(batch, s, shape["d_model"], shape["n_layer"], shape["n_head"], bytes_per_value,
+                            recompute, dropout=shape["dropout"])
+
+
+def calculator_table(
+    model: str = "llama-7B",
+    dp: int = 1,
+    zero_stage: int = 0,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    offload: bool = False,
+    custom_params_b: float | None = None,
+    batch: int = 0,
+    seq_len: int | None = None,
+    recompute: str = "none",
+    device_gb: float = 80,
+) -> dict:
+    """Per-rank memory for one configuration, as plain numbers.
+
+    Returns model, n_params, per_rank (device bytes by category, "activations" included when
+    batch > 0), cpu (offloaded bytes by category), total_bytes, total_gib, cpu_gib, device_gib, fits,
+    formula and notes. device_gb is read as GiB: an "80 GB" H100 has 80 GiB of HBM, of which the CUDA
+    context and allocator reserve take some, so "fits" is optimistic by a GiB or two.
+    """
+    n_params = _n_params(model, custom_params_b)
+    per_rank = model_state_bytes(n_params, dp, zero_stage, precision, optimizer, offload)
+    cpu = offloaded_bytes(n_params, dp, zero_stage, precision, optimizer, offload)
+    notes: list[str] = []
+    if batch and model == CUSTOM:
+        notes.append("activations need a model shape: pick a preset to include them")
+    elif batch:
+        per_rank["activations"] = _activations(model, batch, seq_len, precision, recompute)
+        notes.append(f"activations: Korthikanti et al. 2022, micro-batch {batch}, recompute={recompute}")
+    if model != CUSTOM and not MODEL_PRESETS[model]["exact"]:
+        notes.append("parameter count: published total; activations use the GPT estimate (4h MLP)")
+    total = sum(per_rank.values())
+    return {
+        "model": model, "n_params": n_params, "per_rank": per_rank, "cpu": cpu,
+        "total_bytes": total, "total_gib": to_unit(total, "GiB"),
+        "cpu_gib": to_unit(sum(cpu.values()), "GiB"), "device_gib": float(device_gb),
+        "fits": to_unit(total, "GiB") <= device_gb,
+        "formula": formula(zero_stage, precision, optimizer, offload), "notes": notes,
+    }
+
+
+def _has_anywidget() -> bool:
+    """plotly ≥ 6 builds FigureWidget on anywidget; without it we draw a static figure in an Output."""
+    return importlib.util.find_spec("anywidget") is not None
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+def _summary_html(table: dict) -> str:
+    rows = "".join(f"<tr><td>{k}</td><td style='text-align:right'>{to_unit(v, 'GiB'):.2f}</td></tr>"
+                   for k, v in table["per_rank"].items())
+    verdict = "fits" if table["fits"] else "does NOT fit"
+    colour = "green" if table["fits"] else "crimson"
+    cpu = f"<br>offloaded to CPU: {table['cpu_gib']:.2f} GiB per rank" if table["cpu_gib"] else ""
+    notes = "".join(f"<br><i>{n}</i>" for n in table["notes"])
+    return (f"<b>{table['model']}</b>: {table['n_params'] / 1e9:.3g} B parameters (Ψ)"
+            f"<table><tr><th>category</th><th>GiB per rank</th></tr>{rows}</table>"
+            f"<b>total per rank: {table['total_gib']:.2f} GiB</b> — "
+            f"<span style='color:{colour}'>{verdict} in {table['device_gib']:g} GiB</span>{cpu}"
+            f"<br>model states per rank = <code>{table['formula']}</code> (N = dp){notes}")
+
+
+class MemoryCalculator(widgets.VBox):
+    """The calculator widget. `controls` names every input; `table` and `figure` hold the last result."""
+
+    def __init__(self, default_model: str = "llama-7B") -> None:
+        self.controls = _make_controls(default_model)
+        self.summary = widgets.HTML()
+        self.use_figure_widget = _has_anywidget()
+        self.output = widgets.Output()
+        self.figure_widget = go.FigureWidget() if self.use_figure_widget else None
+        self.table: dict = {}
+        self.figure: go.Figure = go.Figure()
+        plot = self.figure_widget if self.use_figure_widget else self.output
+        super().__init__(children=[_layout_controls(self.controls), self.summary, plot])
+        for control in self.controls.values():
+            control.observe(self._on_change, names="value")
+        self.update()
+
+    def _on_change(self, _change: dict) -> None:
+        self.update()
+
+    def inputs(self) -> dict:
+        """The current control values as `calculator_table` keyword arguments."""
+        c = self.controls
+        return {
+            "model": c["model"].value, "dp": c["dp"].value, "zero_stage": c["zero_stage"].value,
+            "precision": c["precision"].value, "optimizer": c["optimizer"].value,
+            "offload": c["offload"].value, "custom_params_b": c["custom_params_b"].value,
+            "batch": c["batch"].value if c["activations"].value else 0, "seq_len": c["seq_len"].value,
+            "recompute": c["recompute"].value, "device_gb": c["device_gb"].value,
+        }
+
+    def update(self) -> None:
+        """Recompute the table for the current inputs and redraw the summary and the figure."""
+        kwargs = self.inputs()
+        self.controls["custom_params_b"].disabled = kwargs["model"] != CUSTOM
+        try:
+            self.table = calculator_table(**kwargs)
+        except ValueError as err:  # e.g. a custom size of 0 while typing: say why, keep the last figure
+            self.summary.value = f"<span style='color:crimson'>{err}</span>"
+            return
+        self.summary.value = _summary_html(self.table)
+        self.figure = _stage_figure(kwargs, self.table)
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.figure_widget is not None:
+            with self.figure_widget.batch_update():
+                self.figure_widget.data = ()
+                self.figure_widget.add_traces(self.figure.data)
+                self.figure_widget.layout = self.figure.layout
+            return
+        if _in_kernel():  # outside a kernel there is nothing to render into
+            from IPython.display import display
+
+            with self.output:
+                self.output.clear_output(wait=True)
+                display(self.figure)
+
+
+def _stage_figure(kwargs: dict, table: dict) -> go.Figure:
+    """All four ZeRO stages at the chosen settings, so the chosen one is seen against the others."""
+    per_stage = {}
+    for stage in ZERO_STAGES:
+        row = calculator_table(**{**kwargs, "zero_stage": stage})
+        per_stage[f"ZeRO-{stage}" + (" ◀" if stage == kwargs["zero_stage"] else "")] = row["per_rank"]
+    title = f"{table['model']}, dp = {kwargs['dp']}, {kwargs['precision']}, {kwargs['optimizer']}"
+    fig = memory_bars(per_stage, title=title + (", offload" if kwargs["offload"] else ""), unit="GiB")
+    fig.add_hline(y=table["device_gib"], line_dash="dash", line_color="crimson",
+                  annotation_text=f"device {table['device_gib']:g} GiB")
+    return fig
+
+
+def _make_controls(default_model: str) -> dict[str, widgets.ValueWidget]:
+    _n_params(default_model, 1.0)  # ValueError naming the choices if the model is unknown
+    preset = MODEL_PRESETS.get(default_model, MODEL_PRESETS["llama-7B"])
+    style = {"description_width": "initial"}
+    return {
+        "model": widgets.Dropdown(options=[*MODEL_PRESETS, CUSTOM], value=default_model, description="model"),
+        "custom_params_b": widgets.BoundedFloatText(value=round(preset["n_params"] / 1e9, 3), min=0.0,
+                                                    max=1e5, step=0.1, description="custom size (B params)",
+                                                    style=style),
+        "dp": widgets.SelectionSlider(options=list(DP_CHOICES), value=8, description="dp (N)"),
+        "zero_stage": widgets.ToggleButtons(options=list(ZERO_STAGES), value=0, description="ZeRO stage",
+                                            style={"button_width": "40px"}),
+        "precision": widgets.Dropdown(options=sorted(PRECISIONS), value="bf16-mixed",
+                                      description="precision"),
+        "optimizer": widgets.Dropdown(options=list(OPTIMIZERS), value="adamw", description="optimizer"),
+        "offload": widgets.Checkbox(value=False, description="offload to CPU"),
+        "activations": widgets.Checkbox(value=False, description="include activations"),
+        "batch": widgets.BoundedIntText(value=1, min=1, max=4096, description="micro-batch"),
+        "seq_len": widgets.BoundedIntText(value=preset["seq_len"], min=1, max=1 << 20, description="seq len"),
+        "recompute": widgets.Dropdown(options=list(RECOMPUTE_MODES), value="none", description="recompute"),
+        "device_gb": widgets.Dropdown(options=list(DEVICE_MEMORY_GB), value=80, description="device GiB"),
+    }
+
+
+def _layout_controls(c: dict[str, widgets.ValueWidget]) -> widgets.Widget:
+    return widgets.VBox([
+        widgets.HBox([c["model"], c["custom_params_b"]]),
+        widgets.HBox([c["dp"], c["zero_stage"]]),
+        widgets.HBox([c["precision"], c["optimizer"], c["offload"]]),
+        widgets.HBox([c["activations"], c["batch"], c["seq_len"], c["recompute"]]),
+        c["device_gb"],
+    ])
+
+
+def memory_calculator(default_model: str = "llama-7B") -> MemoryCalculator:
+    """Build the calculator (an ipywidgets VBox); display it as the last expression of a cell."""
+    return MemoryCalculator(default_model)
+
+
+__all__ = ["DEVICE_MEMORY_GB", "MemoryCalculator", "calculator_table", "memory_calculator"]
