@@ -168,8 +168,8 @@ def formula(zero_stage: int, precision: str = "fp32", optimizer: str = "adamw", 
     Terms are parameters + gradients + K (master copy and optimizer states); terms sharded by ZeRO are
     merged into one "/N" term, as in the paper's Figure 1. Offloaded terms are shown after "CPU:".
     """
-    per_param = _replicated_bytes(1.0, precision, optimizer)
     _check_config(1, 1, zero_stage, precision, optimizer)
+    per_param = _replicated_bytes(1.0, precision, optimizer)
     sharded = _sharded_categories(zero_stage)
     moved = _offloaded_categories(zero_stage, offload)
     k = per_param.get("master_weights", 0.0) + per_param["optimizer_state"]

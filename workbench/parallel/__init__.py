@@ -1,0 +1,1 @@
+"""Parallelism strategies built from torch.distributed primitives, one file per concept."""
