@@ -79,16 +79,33 @@ def under_torchrun() -> bool:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
-           timeout: float = 60.0, **kwargs: Any) -> RankResults:
+           timeout: float = 60.0, on_report: Callable[[int, Any], None] | None = None,
+           **kwargs: Any) -> RankResults:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
+
+    ``timeout`` (seconds) bounds every collective. ``on_report(rank, obj)`` is called in the caller for
+    each ``workbench.launch.report(obj)`` a rank makes while running (progress bars, live metrics).
+    ``backend``, ``timeout`` and ``on_report`` are launch's own keywords; all other keywords go to ``fn``.
 
     Raises ``RankError`` (a RuntimeError) naming the rank when a rank raises, dies or a collective times
     out; ``ValueError`` for bad arguments, before any process is started.
     """
     backend = _validate(fn, world_size, backend, timeout)
     if under_torchrun():
-        return _run_under_torchrun(fn, world_size, backend, timeout, args, kwargs)
-    return _spawn_and_run(fn, world_size, backend, timeout, args, kwargs)
+        return _run_under_torchrun(fn, world_size, backend, timeout, on_report, args, kwargs)
+    return _spawn_and_run(fn, world_size, backend, timeout, on_report, args, kwargs)
+
+
+class _Reporter:
+    """Where ``report`` sends to in this process: the caller's queue in a spawned rank, or a callback."""
+
+    send: Callable[[Any], None] | None = None
+
+
+def report(obj: Any) -> None:
+    """Send a small picklable object to the caller's ``on_report`` (a no-op when nobody listens)."""
+    if _Reporter.send is not None:
+        _Reporter.send(obj)
 
 
 def _validate(fn: Any, world_size: Any, backend: str | None, timeout: Any) -> str:
@@ -114,12 +131,13 @@ def _validate(fn: Any, world_size: Any, backend: str | None, timeout: Any) -> st
 
 
 def _run_under_torchrun(fn: Callable[..., Any], world_size: int, backend: str, timeout: float,
-                        args: tuple, kwargs: dict) -> RankResults:
+                        on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict) -> RankResults:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_world} ranks; "
                          f"pass world_size={env_world} or change --nproc-per-node")
     rank = int(os.environ["RANK"])
+    _Reporter.send = (lambda obj: on_report(rank, obj)) if on_report is not None else None
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
     os.environ[_TIMEOUT_ENV] = str(timeout)
@@ -134,6 +152,7 @@ def _run_under_torchrun(fn: Callable[..., Any], world_size: int, backend: str, t
         dist.all_gather_object(gathered, (result, tracer.trace))
         return RankResults([r for r, _ in gathered], [t for _, t in gathered])
     finally:
+        _Reporter.send = None
         if owns_group:
             dist.destroy_process_group()
 
@@ -150,7 +169,7 @@ def _context() -> Any:
 
 
 def _spawn_and_run(fn: Callable[..., Any], world_size: int, backend: str, timeout: float,
-                   args: tuple, kwargs: dict) -> RankResults:
+                   on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict) -> RankResults:
     ctx = _context()
     payload = cloudpickle.dumps((fn, args, kwargs))
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
@@ -161,10 +180,10 @@ def _spawn_and_run(fn: Callable[..., Any], world_size: int, backend: str, timeou
         for rank in range(world_size):
             p = ctx.Process(target=_rank_main, name=f"workbench-rank{rank}", daemon=True,
                             args=(rank, world_size, store.port, backend, timeout, payload, messages,
-                                  os.getpid()))
+                                  os.getpid(), on_report is not None))
             p.start()
             procs.append(p)
-        return _supervise(procs, messages, timeout)
+        return _supervise(procs, messages, timeout, on_report)
     finally:
         _stop_all(procs)
         messages.close()
@@ -172,14 +191,15 @@ def _spawn_and_run(fn: Callable[..., Any], world_size: int, backend: str, timeou
         del store
 
 
-def _supervise(procs: list[Any], messages: Any, timeout: float) -> RankResults:
+def _supervise(procs: list[Any], messages: Any, timeout: float,
+               on_report: Callable[[int, Any], None] | None = None) -> RankResults:
     """Relay output, collect results; on the first failure stop everyone and raise."""
     world_size = len(procs)
     results: dict[int, tuple[Any, trace.Trace]] = {}
     errors: list[RankError] = []
     dead_since: dict[int, float] = {}
     while len(results) < world_size and not errors:
-        _handle(_next_message(messages), results, errors)
+        _handle(_next_message(messages), results, errors, on_report)
         _check_deaths(procs, results, errors, dead_since)
     if errors:
         # One failure causes others (peers see "connection closed", waiting ranks time out): listen a
@@ -188,7 +208,7 @@ def _supervise(procs: list[Any], messages: Any, timeout: float) -> RankResults:
         _stop_all(procs)
         _drain(messages, results, errors)
         raise _explain(errors, results, world_size, timeout)
-    _drain(messages, results, errors)
+    _drain(messages, results, errors, on_report)
     ordered = [results[r] for r in range(world_size)]
     return RankResults([value for value, _ in ordered], [t for _, t in ordered])
 
@@ -221,7 +241,8 @@ def _next_message(messages: Any, wait: float = 0.05) -> tuple | None:
         return None
 
 
-def _handle(msg: tuple | None, results: dict, errors: list) -> None:
+def _handle(msg: tuple | None, results: dict, errors: list,
+            on_report: Callable[[int, Any], None] | None = None) -> None:
     if msg is None:
         return
     kind, rank = msg[0], msg[1]
@@ -229,15 +250,19 @@ def _handle(msg: tuple | None, results: dict, errors: list) -> None:
         stream = sys.stdout if msg[2] == "stdout" else sys.stderr
         stream.write(msg[3])
         stream.flush()
+    elif kind == "report":
+        if on_report is not None:
+            on_report(rank, msg[2])
     elif kind == "ok":
         results[rank] = cloudpickle.loads(msg[2])
     elif kind == "error":
         errors.append(RankError(rank, msg[2], msg[3]))
 
 
-def _drain(messages: Any, results: dict, errors: list) -> None:
+def _drain(messages: Any, results: dict, errors: list,
+           on_report: Callable[[int, Any], None] | None = None) -> None:
     while (msg := _next_message(messages, wait=0.01)) is not None:
-        _handle(msg, results, errors)
+        _handle(msg, results, errors, on_report)
 
 
 def _death_error(rank: int, exit_code: int) -> RankError:
@@ -303,8 +328,9 @@ def _stop_all(procs: list[Any]) -> None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout: float, payload: bytes,
-               messages: Any, parent_pid: int) -> None:
+               messages: Any, parent_pid: int, listens: bool) -> None:
     pumps = _redirect_output(rank, messages)
+    _Reporter.send = (lambda obj: messages.put(("report", rank, obj))) if listens else None
     _exit_when_parent_dies(parent_pid)
     _set_rank_env(rank, world_size, port)
     os.environ[_TIMEOUT_ENV] = str(timeout)

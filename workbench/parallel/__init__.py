@@ -1,1 +1,139 @@
-"""Parallelism strategies built from torch.distributed primitives, one file per concept."""
+"""Parallel strategies, one file per idea, and ``parallelize``: the one place that composes them.
+
+Strategy files (``ddp``, ``zero``, ``collectives``...) never import each other; this composer applies
+them to a plain model from outside (torchtitan's shape) and hands the training loop one uniform
+``Parallelized`` object, so the loop has no ``if zero == 3`` branches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench import trace
+
+DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass
+class ParallelConfig:
+    ddp: str = "bucketed"
+    bucket_mb: float = 25.0
+    zero: int = 0
+    offload: bool = False
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+
+
+@dataclass
+class Parallelized:
+    """What the training loop needs from any strategy."""
+
+    model: nn.Module
+    optimizer: Any
+    no_sync: Callable[[], AbstractContextManager]
+    finish_grad_sync: Callable[[], None]
+    clip_grad_norm: Callable[[float], float]
+    full_parameters: Callable[[], dict[str, torch.Tensor]]
+    record_memory: Callable[[], None]
+    describe: str
+
+
+def _optimizer_kwargs(cfg: ParallelConfig) -> dict[str, Any]:
+    return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": cfg.betas}
+
+
+def _named_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in model.named_parameters()}
+
+
+def _record_replicated_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Ledger entries for a replicated model: what this rank really holds, measured from the tensors."""
+    params = list(model.parameters())
+    trace.ledger_set("parameters", trace.tensor_bytes(params))
+    trace.ledger_set("gradients", trace.tensor_bytes(p.grad for p in params if p.grad is not None))
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    trace.ledger_set("optimizer_state", trace.tensor_bytes(state))
+
+
+def _clip_replicated(model: nn.Module) -> Callable[[float], float]:
+    return lambda max_norm: float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+
+def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    """Apply the data-parallel strategy of ``cfg`` over ``mesh``'s dp axis and build the optimizer."""
+    if cfg.zero not in ZERO_STAGES:
+        raise ValueError(f"zero stage {cfg.zero!r}; valid: {ZERO_STAGES}")
+    if mesh.dp_size == 1 and cfg.zero == 0:
+        return _single(model, cfg)
+    if cfg.zero in (0, 1):
+        return _ddp(model, mesh, cfg)
+    if cfg.zero == 2:
+        return _zero2(model, mesh, cfg)
+    return _zero3(model, mesh, cfg)
+
+
+def _single(model: nn.Module, cfg: ParallelConfig) -> Parallelized:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **_optimizer_kwargs(cfg))
+    return Parallelized(model, optimizer, nullcontext, lambda: None, _clip_replicated(model),
+                        lambda: _named_trainable(model), lambda: _record_replicated_memory(model, optimizer),
+                        "single process")
+
+
+def _ddp(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    """ZeRO-0: a DDP wrapper + AdamW. ZeRO-1: the same wrapper + the sharded optimizer."""
+    from workbench.parallel.ddp import make_ddp
+
+    wrapped = make_ddp(model, cfg.ddp, group=mesh.dp_group, bucket_mb=cfg.bucket_mb)
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    if cfg.zero == 1:
+        from workbench.parallel.zero import ZeroOptimizer
+
+        optimizer = ZeroOptimizer(params, torch.optim.AdamW, group=mesh.dp_group, stage=1, offload=cfg.offload,
+                                  **_optimizer_kwargs(cfg))
+        clip, record, what = optimizer.clip_grad_norm_, lambda: None, f"{cfg.ddp} DDP + ZeRO-1"
+    else:
+        optimizer = torch.optim.AdamW(params, **_optimizer_kwargs(cfg))
+        clip, what = _clip_replicated(wrapped), f"{cfg.ddp} DDP"
+        record = lambda: _record_replicated_memory(wrapped, optimizer)  # noqa: E731
+    return Parallelized(wrapped, optimizer, wrapped.no_sync, wrapped.finish_gradient_synchronization, clip,
+                        lambda: _named_trainable(wrapped), record, what + (" + offload" if cfg.offload else ""))
+
+
+def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    from workbench.parallel.zero import ZeroOptimizer
+
+    optimizer = ZeroOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW,
+                              group=mesh.dp_group, stage=2, offload=cfg.offload, **_optimizer_kwargs(cfg))
+    _broadcast_from_first(model, mesh)
+    return Parallelized(model, optimizer, optimizer.no_sync, optimizer.finish_gradient_synchronization,
+                        optimizer.clip_grad_norm_, lambda: _named_trainable(model), lambda: None,
+                        "ZeRO-2" + (" + offload" if cfg.offload else ""))
+
+
+def _zero3(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    from workbench.parallel.zero import FullyShardedModel, ZeroOptimizer
+
+    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload)
+    optimizer = ZeroOptimizer(sharded.parameters(), torch.optim.AdamW, group=mesh.dp_group, stage=3,
+                              offload=cfg.offload, **_optimizer_kwargs(cfg))
+    return Parallelized(sharded, optimizer, sharded.no_sync, sharded.finish_gradient_synchronization,
+                        optimizer.clip_grad_norm_, sharded.full_parameters, lambda: None,
+                        "ZeRO-3" + (" + offload" if cfg.offload else ""))
+
+
+def _broadcast_from_first(model: nn.Module, mesh: Any) -> None:
+    """Start every replica from rank 0's weights (the models are seeded alike; this makes it certain)."""
+    from workbench import comm
+
+    src = comm.global_rank(mesh.dp_group, 0)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            comm.broadcast(tensor.data, src=src, group=mesh.dp_group, tag="init")

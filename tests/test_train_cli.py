@@ -1,0 +1,108 @@
+"""The training loop and `workbench run`: validation, schedule, summary/report, and strategy equivalence."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from workbench.cli import main, run_training
+from workbench.train import RunConfig, lr_at, params_sha256
+
+pytestmark = pytest.mark.timeout(300)
+
+# Loss of the same global batch, one process vs N ranks: fp32 sums in a different order, amplified by a few
+# AdamW steps; measured differences are ~1e-6, the bound leaves room for other BLAS paths.
+LOSS_RTOL = 2e-4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch_size=6, nproc=4), "multiple of dp x grad_accum"),
+    (dict(batch_size=8, nproc=2, grad_accum=3), "multiple of dp x grad_accum"),
+    (dict(ddp="fast"), "ddp='fast'; valid: naive, flat, overlap, bucketed"),
+    (dict(zero=4), "zero=4"),
+    (dict(model="huge"), "unknown model 'huge'"),
+    (dict(steps=0), "steps must be a positive int"),
+    (dict(offload=True), "offload needs a ZeRO stage"),
+    (dict(nproc=2, dp=4), "dp must equal nproc"),
+])
+def test_bad_config_is_rejected_before_spawning(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RunConfig(**kwargs)
+
+
+def test_cli_bad_flag_exits_with_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--nproc", "3", "--batch-size", "16", "--no-progress"])
+    assert info.value.code == 2
+    assert "batch_size=16 must be a positive multiple of dp x grad_accum = 3 x 1" in capsys.readouterr().err
+
+
+def test_lr_schedule_warms_up_then_decays_to_min() -> None:
+    cfg = RunConfig(steps=20, warmup=4, lr=1.0, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
+    assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_params_sha256_depends_on_values_and_names() -> None:
+    a = {"w": torch.ones(3), "b": torch.zeros(2)}
+    assert params_sha256(a) == params_sha256(dict(reversed(list(a.items()))))
+    assert params_sha256(a) != params_sha256({"w": torch.ones(3), "c": torch.zeros(2)})
+    assert params_sha256(a) != params_sha256({"w": torch.ones(3) * 1.0001, "b": torch.zeros(2)})
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict:
+    return run_training(RunConfig(nproc=1, steps=4, batch_size=8, seq_len=32), progress=False)
+
+
+def test_run_writes_summary_and_report(tmp_path) -> None:
+    cfg = RunConfig(nproc=2, steps=4, batch_size=8, seq_len=32)
+    run_training(cfg, tmp_path, progress=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["nproc"] == 2 and len(summary["losses"]) == 4
+    assert len(summary["final_params_sha256"]) == 64 and summary["tokens_per_s"] > 0
+    assert summary["losses"][-1] < summary["losses"][0]
+    report = (tmp_path / "report.html").read_text()
+    assert "rank 1" in report and "all_reduce" in report and "plotly" in report.lower()
+    traces = json.loads((tmp_path / "traces.json").read_text())
+    spans = {s["category"] for s in traces[1]["spans"]}
+    assert {"forward", "backward", "optimizer"} <= spans
+
+
+def test_same_seed_same_run_different_seed_differs(baseline: dict) -> None:
+    again = run_training(RunConfig(nproc=1, steps=4, batch_size=8, seq_len=32), progress=False)
+    assert again["losses"] == baseline["losses"]
+    assert again["final_params_sha256"] == baseline["final_params_sha256"]
+    other = run_training(RunConfig(nproc=1, steps=4, batch_size=8, seq_len=32, seed=1), progress=False)
+    assert other["final_params_sha256"] != baseline["final_params_sha256"]
+
+
+STRATEGIES = [
+    dict(nproc=2, ddp="naive"), dict(nproc=2, ddp="flat"), dict(nproc=2, ddp="overlap"),
+    dict(nproc=2, ddp="bucketed", bucket_mb=0.05), dict(nproc=4, ddp="bucketed"),
+    dict(nproc=2, grad_accum=2), dict(nproc=2, zero=1), dict(nproc=2, zero=2), dict(nproc=2, zero=3),
+    dict(nproc=4, zero=3, grad_accum=2), dict(nproc=2, zero=3, offload=True), dict(nproc=2, zero=1, offload=True),
+]
+
+
+@pytest.mark.parametrize("flags", STRATEGIES, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
+def test_every_strategy_matches_single_process_loss(flags: dict, baseline: dict) -> None:
+    summary = run_training(RunConfig(steps=4, batch_size=8, seq_len=32, **flags), progress=False)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(baseline["losses"]),
+                               rtol=LOSS_RTOL, atol=0)
+
+
+def test_cli_subprocess_end_to_end(tmp_path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "run", "--nproc", "2", "--steps", "3",
+                           "--batch-size", "4", "--seq-len", "32", "--out", str(out)],
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final_params_sha256" in proc.stdout and (out / "report.html").exists()
+    assert "training on 2 rank(s)" in proc.stderr  # the progress bar

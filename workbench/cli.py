@@ -1,0 +1,152 @@
+"""``workbench`` command line: ``run`` trains on gloo ranks and writes a summary and a report;
+``calc`` prints the per-rank memory of a training configuration; ``bench`` runs the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from workbench.parallel import DDP_KINDS, ZERO_STAGES
+
+
+def _run_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="train the tiny GPT on N gloo ranks; write summary.json and report.html")
+    p.add_argument("--nproc", type=int, default=1, help="number of ranks (1 = the single-process baseline)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: nproc)")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, split across data-parallel ranks")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
+    p.add_argument("--model", default="tiny", help="GPT preset: tiny, small, bench")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--clip", type=float, default=1.0, help="max global grad norm (0 disables)")
+    p.add_argument("--seed", type=int, default=0, help="fixes model init and data order")
+    p.add_argument("--ddp", choices=DDP_KINDS, default="bucketed", help="gradient synchronisation")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0, help="ZeRO stage")
+    p.add_argument("--offload", action="store_true", help="offload optimizer state (and stage-3 params) to CPU")
+    p.add_argument("--data", default=None, help="a text file to train on instead of the bundled corpus")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    p.add_argument("--out", default="runs/latest", help="directory for summary.json and report.html")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _config_from_args(args: argparse.Namespace) -> Any:
+    from workbench.train import RunConfig
+
+    return RunConfig(model=args.model, seq_len=args.seq_len, nproc=args.nproc, dp=args.dp, steps=args.steps,
+                     batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
+                     clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
+                     zero=args.zero, offload=args.offload, data=args.data, timeout=args.timeout)
+
+
+def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Launch ``cfg.nproc`` ranks, train, and (with ``out``) write summary.json and report.html."""
+    from tqdm.auto import tqdm
+
+    from workbench.launch import launch
+    from workbench.train import train_rank
+
+    bar = tqdm(total=cfg.steps, desc=f"training on {cfg.nproc} rank(s)", disable=not progress, file=sys.stderr)
+
+    def on_report(rank: int, metrics: dict[str, Any]) -> None:
+        if rank == 0:
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+
+    try:
+        results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report)
+    finally:
+        bar.close()
+    summary = summarize(cfg, results[0], results.traces)
+    if out is not None:
+        write_outputs(Path(out), summary, results.traces)
+    return summary
+
+
+def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
+    history = rank0["history"]
+    steady = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
+    return {
+        "config": cfg.to_dict(), "strategy": rank0["strategy"], "n_params": rank0["n_params"],
+        "losses": [m["loss"] for m in history], "tokens_per_s": statistics.median(steady),
+        "step_time_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
+        "final_params_sha256": rank0["final_params_sha256"], "history": history,
+        "memory_peak_bytes": [t.memory.peak for t in traces],
+    }
+
+
+def write_outputs(out: Path, summary: dict[str, Any], traces: list[Any]) -> None:
+    from workbench.viz.report import write_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "traces.json").write_text(json.dumps([t.to_dict() for t in traces]))
+    write_report(out / "report.html", summary, traces)
+
+
+def _print_summary(summary: dict[str, Any], out: str) -> None:
+    losses = summary["losses"]
+    print(f"{summary['strategy']}: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+          f"median {summary['tokens_per_s']:.0f} tokens/s, {summary['step_time_s'] * 1e3:.1f} ms/step")
+    print(f"final_params_sha256 {summary['final_params_sha256']}")
+    print(f"wrote {out}/summary.json and {out}/report.html")
+
+
+def _calc_parser(sub: Any) -> None:
+    p = sub.add_parser("calc", help="per-rank memory of a training configuration (theory)")
+    p.add_argument("--model", default="llama-7B", help="a preset of workbench.theory.models.MODEL_PRESETS")
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0)
+    p.add_argument("--precision", default="bf16-mixed")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--offload", action="store_true")
+
+
+def _calc(args: argparse.Namespace) -> None:
+    from workbench.widgets.memory_calculator import calculator_table
+
+    table = calculator_table(model=args.model, dp=args.dp, zero_stage=args.zero, precision=args.precision,
+                             optimizer=args.optimizer, offload=args.offload)
+    print(f"{table['model']}: {table['n_params']:,} parameters, dp={args.dp}, ZeRO-{args.zero}, "
+          f"{args.precision}, {args.optimizer}  [{table['formula']}]")
+    for category, nbytes in table["per_rank"].items():
+        print(f"  {category:<16} {nbytes / 2**30:10.2f} GiB")
+    print(f"  {'total per rank':<16} {table['total_gib']:10.2f} GiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _run_parser(sub)
+    _calc_parser(sub)
+    bench = sub.add_parser("bench", help="run benchmarks/run.py side by side with PyTorch's built-ins")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        try:
+            cfg = _config_from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        summary = run_training(cfg, args.out, progress=not args.no_progress)
+        _print_summary(summary, args.out)
+    elif args.command == "calc":
+        try:
+            _calc(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
+        import runpy
+
+        sys.argv = ["benchmarks/run.py", *args.rest]
+        runpy.run_path(str(Path("benchmarks") / "run.py"), run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

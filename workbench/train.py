@@ -1,0 +1,195 @@
+"""The training loop: AdamW, warmup + cosine LR, gradient clipping, accumulation, metrics per step.
+
+One loop for every strategy. ``train_rank(cfg)`` runs on each rank (or alone, for ``nproc=1``): it
+builds the mesh, the seeded model and the sharded data, lets ``parallelize`` apply the strategy from
+outside (the model knows nothing of parallelism), and steps. ``--batch-size`` is the *global* batch, split
+across data-parallel ranks and then into ``grad_accum`` micro-batches, so the loss of every step is the
+loss of the same global batch whatever the strategy, and ``nproc=1`` is the baseline for all of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from workbench import comm, trace
+from workbench.data import ShardedSampler, make_lm_data
+from workbench.launch import report
+from workbench.mesh import Mesh
+from workbench.models import PRESETS, GPTConfig, build_gpt
+from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig, parallelize
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; validated before any rank is spawned."""
+
+    model: str = "tiny"
+    seq_len: int | None = None
+    nproc: int = 1
+    dp: int | None = None
+    steps: int = 50
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 5
+    weight_decay: float = 0.1
+    clip: float | None = 1.0
+    seed: int = 0
+    ddp: str = "bucketed"
+    bucket_mb: float = 25.0
+    zero: int = 0
+    offload: bool = False
+    data: str | None = None
+    timeout: float = 120.0
+    trace_steps: int = 5
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dp is None:
+            self.dp = self.nproc
+        self.validate()
+
+    def validate(self) -> None:
+        _positive_int("nproc", self.nproc)
+        _positive_int("dp", self.dp)
+        _positive_int("steps", self.steps)
+        _positive_int("batch_size", self.batch_size)
+        _positive_int("grad_accum", self.grad_accum)
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown model {self.model!r}; valid: {sorted(PRESETS)}")
+        if self.dp != self.nproc:
+            raise ValueError(f"dp={self.dp} but nproc={self.nproc}: with no other parallelism yet, dp must "
+                             f"equal nproc")
+        per_rank, rem = divmod(self.batch_size, self.dp * self.grad_accum)
+        if rem or per_rank == 0:
+            raise ValueError(f"batch_size={self.batch_size} must be a positive multiple of dp x grad_accum = "
+                             f"{self.dp} x {self.grad_accum} = {self.dp * self.grad_accum}")
+        if self.ddp not in DDP_KINDS:
+            raise ValueError(f"ddp={self.ddp!r}; valid: {', '.join(DDP_KINDS)}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"zero={self.zero!r}; valid: {ZERO_STAGES}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.offload and self.zero == 0:
+            raise ValueError("offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.clip is not None and self.clip <= 0:
+            raise ValueError(f"clip must be > 0 (or None to disable), got {self.clip}")
+
+    def gpt_config(self) -> GPTConfig:
+        overrides = {"seq_len": self.seq_len} if self.seq_len else {}
+        return GPTConfig.preset(self.model, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup - 1)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def params_sha256(named_params: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over (name, fp32 little-endian bytes) of every parameter, names sorted."""
+    digest = hashlib.sha256()
+    for name in sorted(named_params):
+        digest.update(name.encode())
+        digest.update(named_params[name].detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class Trainer:
+    """Steps a parallelized model on the sharded global batch; records spans, metrics and memory."""
+
+    def __init__(self, cfg: RunConfig, mesh: Mesh | None = None) -> None:
+        self.cfg = cfg
+        self.mesh = mesh or Mesh(dp=cfg.dp)
+        model_cfg = cfg.gpt_config()
+        self.dataset = make_lm_data(model_cfg.seq_len, cfg.data)
+        self.sampler = ShardedSampler(len(self.dataset), cfg.batch_size, self.mesh.dp_rank, self.mesh.dp_size,
+                                      seed=cfg.seed)
+        model = build_gpt(model_cfg, seed=cfg.seed)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.strategy = parallelize(model, self.mesh, ParallelConfig(
+            ddp=cfg.ddp, bucket_mb=cfg.bucket_mb, zero=cfg.zero, offload=cfg.offload, lr=cfg.lr,
+            weight_decay=cfg.weight_decay))
+        self.step_index = 0
+        self.tokens_per_step = cfg.batch_size * model_cfg.seq_len
+
+    def step(self) -> dict[str, Any]:
+        cfg, s = self.cfg, self.strategy
+        tracer = trace.current()
+        trace.set_step(self.step_index)
+        if tracer is not None:
+            tracer.enabled = self.step_index >= cfg.steps - cfg.trace_steps
+        t0 = time.time()
+        lr = lr_at(self.step_index, cfg)
+        for group in s.optimizer.param_groups:
+            group["lr"] = lr
+        with trace.span("data", "data"):
+            x, y = self.dataset.get(self.sampler.indices(self.step_index))
+        local_loss = torch.zeros(())
+        for micro, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True)):
+            last = micro == cfg.grad_accum - 1
+            with s.no_sync() if not last else nullcontext():
+                local_loss += self._forward_backward(xm, ym, tracer).detach()
+        with trace.span("grad sync wait", "wait"):
+            s.finish_grad_sync()
+        with trace.span("optimizer", "optimizer"):
+            grad_norm = s.clip_grad_norm(cfg.clip if cfg.clip is not None else math.inf)
+            s.optimizer.step()
+            s.optimizer.zero_grad(set_to_none=True)
+        s.record_memory()
+        loss = local_loss.clone()
+        comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="metrics")
+        elapsed = time.time() - t0
+        metrics = {"step": self.step_index, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": lr,
+                   "step_time_s": elapsed, "tokens_per_s": self.tokens_per_step / elapsed}
+        if tracer is not None:
+            tracer.record_metrics(metrics)
+        self.step_index += 1
+        return metrics
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, tracer: trace.Tracer | None) -> torch.Tensor:
+        activations = tracer.activations() if tracer is not None else nullcontext()
+        with trace.span("forward", "forward"), activations:
+            loss = self.strategy.model(x, y) / self.cfg.grad_accum
+        with trace.span("backward", "backward"):
+            loss.backward()
+        if tracer is not None:
+            tracer.release_activations()
+        return loss
+
+
+def train_rank(cfg: RunConfig) -> dict[str, Any]:
+    """Run ``cfg.steps`` steps on this rank; rank 0's result carries the full-parameter hash."""
+    torch.manual_seed(cfg.seed)
+    trainer = Trainer(cfg)
+    history = []
+    for _ in range(cfg.steps):
+        metrics = trainer.step()
+        history.append(metrics)
+        report(metrics)
+    full = trainer.strategy.full_parameters()
+    return {"history": history, "n_params": trainer.n_params, "strategy": trainer.strategy.describe,
+            "final_params_sha256": params_sha256(full) if comm.group_rank() == 0 else None,
+            "final_params": {k: v.detach().clone() for k, v in full.items()} if cfg.extra.get("return_params")
+            else None}
