@@ -1,0 +1,187 @@
+import nbformat as nbf
+
+nb = nbf.v4.new_notebook()
+md = nbf.v4.new_markdown_cell
+code = nbf.v4.new_code_cell
+cells = [
+md("""# 00 · Launching ranks
+
+**The question:** what are *ranks*, *process groups* and the *five collectives* that every distributed
+training strategy is built from?
+
+In this notebook you start real `torch.distributed` processes from a cell, watch each collective change
+what every rank holds, and look at a **measured** timeline of what each rank did and when."""),
+code("""# Parameters (papermill can override these)
+WORLD_SIZE = 4
+CHUNK = 2          # elements per rank in the reduce-scatter / all-gather examples
+TIMEOUT_S = 30.0   # every collective gives up after this long instead of hanging""", metadata={"tags": ["parameters"]}),
+md("""## 1. Ranks are processes
+
+`workbench.launch(fn, world_size)` starts `world_size` processes (the **ranks**), connects them into one
+**process group** (gloo on CPU, NCCL on GPUs), calls `fn` on every rank and returns what each rank
+returned, in rank order. The function can be defined right here in the notebook."""),
+code("""import os
+import torch
+import torch.distributed as dist
+import workbench
+from workbench import comm, launch
+
+def who_am_i():
+    return dict(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend(),
+                pid=os.getpid())
+
+for row in launch(who_am_i, WORLD_SIZE, timeout=TIMEOUT_S):
+    print(row)"""),
+md("""Every rank ran the same function but got a different `rank`: that number is how a rank knows
+which part of the work is its own. Anything a rank prints appears here prefixed with `[rank r]`."""),
+code("""def say_hello():
+    print(f"hello from rank {dist.get_rank()} of {dist.get_world_size()}")
+
+_ = launch(say_hello, WORLD_SIZE, timeout=TIMEOUT_S)"""),
+md("""## 2. The five collectives
+
+A **collective** is an operation every rank of a group calls together. We run each one on small tensors
+and record what every rank holds *before* and *after*:
+
+| collective | what it does |
+|---|---|
+| broadcast | rank 0's tensor is copied to every rank |
+| all-reduce | every rank ends with the sum of all ranks' tensors |
+| reduce-scatter | the sum is computed, but each rank keeps only its own chunk of it |
+| all-gather | every rank's chunk is concatenated on every rank |
+| send / recv | point-to-point: one rank sends, one receives |
+
+Each call goes through `workbench.comm`, which logs the op, its bytes, the group and the start/end time."""),
+code("""from workbench import trace
+
+def five_collectives(chunk):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen = {}
+
+    def record(name, before, run):
+        with trace.span(name, "comm"):
+            after = run()
+        seen[name] = (before, after.tolist())
+
+    t = torch.full((2,), 7.0) if rank == 0 else torch.zeros(2)
+    record("broadcast", t.tolist(), lambda: (comm.broadcast(t, src=0), t)[1])
+
+    t = torch.full((2,), float(rank + 1))
+    record("all_reduce", t.tolist(), lambda: (comm.all_reduce(t), t)[1])
+
+    full = torch.arange(world * chunk, dtype=torch.float32) + 100 * rank
+    mine = torch.empty(chunk)
+    record("reduce_scatter", full.tolist(), lambda: (comm.reduce_scatter(mine, full), mine)[1])
+
+    piece = torch.full((chunk,), float(rank))
+    gathered = torch.empty(world * chunk)
+    record("all_gather", piece.tolist(), lambda: (comm.all_gather(gathered, piece), gathered)[1])
+
+    # send/recv around a ring: even ranks send first, odd ranks receive first, so no one waits forever
+    out, inbox = torch.full((1,), float(rank)), torch.zeros(1)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    def ring():
+        if rank % 2 == 0:
+            comm.send(out, nxt); comm.recv(inbox, prv)
+        else:
+            comm.recv(inbox, prv); comm.send(out, nxt)
+        return inbox
+    record("send_recv", out.tolist(), ring)
+    return seen
+
+results = launch(five_collectives, WORLD_SIZE, CHUNK, timeout=TIMEOUT_S)
+for name in results[0]:
+    print(f"--- {name}")
+    for rank, seen in enumerate(results):
+        before, after = seen[name]
+        print(f"  rank {rank}: before {before}  ->  after {after}")"""),
+md("""Check a few by hand: after **all-reduce** every rank holds 1+2+…+N; after **reduce-scatter** rank r
+holds only chunk r of the sum; after **all-gather** every rank holds every rank's piece; in the ring of
+**send/recv**, rank r received from rank r−1."""),
+md("""## 3. What each rank did, measured
+
+`launch` also returns each rank's **trace**: named spans and every collective with its bytes and start/end
+time. Hover over the bars. Collectives are synchronising: a rank that arrives early waits for the last one."""),
+code("""from workbench.viz import comm_table, timeline
+
+fig = timeline(results.traces, title="five collectives on %d ranks (measured)" % WORLD_SIZE, unit="ms")
+fig.show()"""),
+code("""import pandas as pd  # only for a tidy table; installed with jupyterlab/papermill
+pd.DataFrame(comm_table(results.traces)).query("rank == 0")""" if False else """rows = comm_table(results.traces)
+print(f"{'rank':>4} {'op':<15} {'count':>5} {'bytes':>8} {'bus bytes':>10} {'ms':>8}")
+for r in rows:
+    if r["rank"] == 0:
+        print(f"{r['rank']:>4} {r['op']:<15} {r['count']:>5} {r['MiB'] * 2**20:>8.0f} {r['bus_MiB'] * 2**20:>10.0f} {r['ms']:>8.2f}")"""),
+md("""*Bytes* is the size of the full tensor each op works on; *bus bytes* is what each rank actually sends
+under the ring algorithm: an all-reduce of S bytes sends 2(N−1)/N·S per rank, reduce-scatter and
+all-gather (N−1)/N·S each. Notebook 02 shows where those factors come from."""),
+md("""## 4. Process groups and the mesh
+
+A collective can run over a **subset** of the ranks. `workbench.Mesh` arranges the ranks on a grid
+(data-, tensor-, pipeline-parallel axes) and gives each rank one process group per axis."""),
+code("""from workbench import Mesh
+
+def mesh_demo():
+    mesh = Mesh(dp=2, tp=2)
+    x = torch.tensor([float(dist.get_rank())])
+    comm.all_reduce(x, group=mesh.tp_group)
+    return mesh.coords, mesh.ranks("tp"), mesh.ranks("dp"), x.item()
+
+if WORLD_SIZE == 4:
+    for rank, (coords, tp, dp, total) in enumerate(launch(mesh_demo, 4, timeout=TIMEOUT_S)):
+        print(f"rank {rank}: dp={coords['dp']} tp={coords['tp']}  tp group {tp}  dp group {dp}  "
+              f"sum over my tp group = {total}")"""),
+md("""## 5. When a rank fails
+
+A rank that raises, dies, or never joins a collective does not hang the notebook: the other ranks are
+stopped and you get a `RankError` naming the rank, with its traceback."""),
+code("""def one_rank_fails():
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 read a corrupt batch")
+    comm.all_reduce(torch.ones(1))
+
+try:
+    launch(one_rank_fails, WORLD_SIZE, timeout=TIMEOUT_S)
+except workbench.RankError as err:
+    print("caught:", str(err).splitlines()[0])
+    print("failed rank:", err.rank)"""),
+code("""import time
+
+def rank_1_never_joins():
+    if dist.get_rank() == 1:
+        time.sleep(60)          # busy elsewhere: never calls the all-reduce
+    comm.all_reduce(torch.ones(1))
+
+t0 = time.time()
+try:
+    launch(rank_1_never_joins, WORLD_SIZE, timeout=2)
+except workbench.RankError as err:
+    print(f"after {time.time() - t0:.1f} s:", "\\n".join(str(err).splitlines()[:2]))"""),
+md("""## What just happened
+
+* `launch` started real processes; each got a **rank** and joined one **process group**.
+* The five collectives moved data between them; every call was **logged** with its bytes and timing.
+* The **timeline** is measured: it is the raw material for every figure in the later notebooks (DDP's
+  overlap, ZeRO's all-gathers, pipeline bubbles).
+* Failures end in a clear error within the timeout, never a hang."""),
+md("## Knowledge check"),
+code("""from workbench.widgets.quiz import answers_text, quiz
+
+QUESTIONS = [
+    dict(question="After an all-reduce (sum) of tensors holding 1, 2, 3, 4 on four ranks, what does rank 2 hold?",
+         options=["3", "10", "[1, 2, 3, 4]", "2.5"], answer=1,
+         why="All-reduce leaves the full reduction on every rank."),
+    dict(question="Which collective leaves each rank with only its own chunk of the sum?",
+         options=["all-gather", "broadcast", "reduce-scatter", "send/recv"], answer=2,
+         why="Reduce-scatter = reduce, then scatter the chunks; ZeRO uses it for gradients."),
+    dict(question="Why does every process group here have a timeout?",
+         options=["to speed collectives up", "so a collective one rank never joins raises instead of hanging forever",
+                  "NCCL requires it", "to limit memory"], answer=1,
+         why="A collective waits for every member; without a timeout a missing rank hangs all the others."),
+]
+display(quiz(QUESTIONS))
+print(answers_text(QUESTIONS))"""),
+]
+nb.cells = cells
+nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+nbf.write(nb, "/work/main/notebooks/00_launching_ranks.ipynb")
