@@ -1,3 +1,6 @@
+"""Regenerate notebooks/00_launching_ranks.ipynb (stored without outputs): python scripts/make_notebook_00.py"""
+from pathlib import Path
+
 import nbformat as nbf
 
 nb = nbf.v4.new_notebook()
@@ -106,8 +109,7 @@ code("""from workbench.viz import comm_table, timeline
 
 fig = timeline(results.traces, title="five collectives on %d ranks (measured)" % WORLD_SIZE, unit="ms")
 fig.show()"""),
-code("""import pandas as pd  # only for a tidy table; installed with jupyterlab/papermill
-pd.DataFrame(comm_table(results.traces)).query("rank == 0")""" if False else """rows = comm_table(results.traces)
+code("""rows = comm_table(results.traces)
 print(f"{'rank':>4} {'op':<15} {'count':>5} {'bytes':>8} {'bus bytes':>10} {'ms':>8}")
 for r in rows:
     if r["rank"] == 0:
@@ -184,4 +186,4 @@ print(answers_text(QUESTIONS))"""),
 ]
 nb.cells = cells
 nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nbf.write(nb, "/work/main/notebooks/00_launching_ranks.ipynb")
+nbf.write(nb, Path(__file__).resolve().parent.parent / "notebooks" / "00_launching_ranks.ipynb")
