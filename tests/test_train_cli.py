@@ -106,3 +106,22 @@ def test_cli_subprocess_end_to_end(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final_params_sha256" in proc.stdout and (out / "report.html").exists()
     assert "training on 2 rank(s)" in proc.stderr  # the progress bar
+
+
+def test_same_run_under_torchrun_matches_launch(tmp_path) -> None:
+    """The cluster path (torchrun, env://) trains exactly what the notebook path trains (2 ranks: a + b is
+    commutative in fp32, so the runs agree bit for bit)."""
+    import os
+
+    flags = ["run", "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cli = [sys.executable, "-m", "workbench.cli"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                "workbench.cli"]
+    shas = []
+    for prefix, extra, out in ((cli, ["--nproc", "2"], "launched"), (torchrun, [], "torchrun")):
+        proc = subprocess.run([*prefix, *flags, *extra, "--out", str(tmp_path / out)], capture_output=True,
+                              text=True, timeout=200, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        shas.append(json.loads((tmp_path / out / "summary.json").read_text())["final_params_sha256"])
+    assert shas[0] == shas[1]

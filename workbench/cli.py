@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from workbench.parallel import DDP_KINDS, ZERO_STAGES
 
 def _run_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="train the tiny GPT on N gloo ranks; write summary.json and report.html")
-    p.add_argument("--nproc", type=int, default=1, help="number of ranks (1 = the single-process baseline)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="number of ranks (1 = the single-process baseline; under torchrun: its WORLD_SIZE)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: nproc)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, split across data-parallel ranks")
@@ -39,7 +41,10 @@ def _run_parser(sub: Any) -> None:
 def _config_from_args(args: argparse.Namespace) -> Any:
     from workbench.train import RunConfig
 
-    return RunConfig(model=args.model, seq_len=args.seq_len, nproc=args.nproc, dp=args.dp, steps=args.steps,
+    from workbench.launch import under_torchrun
+
+    nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1)
+    return RunConfig(model=args.model, seq_len=args.seq_len, nproc=nproc, dp=args.dp, steps=args.steps,
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
                      zero=args.zero, offload=args.offload, data=args.data, timeout=args.timeout)
@@ -49,10 +54,13 @@ def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True)
     """Launch ``cfg.nproc`` ranks, train, and (with ``out``) write summary.json and report.html."""
     from tqdm.auto import tqdm
 
-    from workbench.launch import launch
+    from workbench.launch import launch, under_torchrun
     from workbench.train import train_rank
 
-    bar = tqdm(total=cfg.steps, desc=f"training on {cfg.nproc} rank(s)", disable=not progress, file=sys.stderr)
+    # Under torchrun every process runs this function; only global rank 0 draws and writes.
+    lead = not under_torchrun() or os.environ.get("RANK") == "0"
+    bar = tqdm(total=cfg.steps, desc=f"training on {cfg.nproc} rank(s)", disable=not (progress and lead),
+               file=sys.stderr)
 
     def on_report(rank: int, metrics: dict[str, Any]) -> None:
         if rank == 0:
@@ -64,7 +72,7 @@ def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True)
     finally:
         bar.close()
     summary = summarize(cfg, results[0], results.traces)
-    if out is not None:
+    if out is not None and lead:
         write_outputs(Path(out), summary, results.traces)
     return summary
 
@@ -134,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         summary = run_training(cfg, args.out, progress=not args.no_progress)
-        _print_summary(summary, args.out)
+        if os.environ.get("RANK", "0") == "0":
+            _print_summary(summary, args.out)
     elif args.command == "calc":
         try:
             _calc(args)
