@@ -125,3 +125,11 @@ def test_same_run_under_torchrun_matches_launch(tmp_path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         shas.append(json.loads((tmp_path / out / "summary.json").read_text())["final_params_sha256"])
     assert shas[0] == shas[1]
+
+
+def test_memory_ledger_of_single_process_matches_tensors(baseline: dict) -> None:
+    peak = baseline["memory_peak_bytes"][0]
+    n = baseline["n_params"]
+    assert peak["parameters"] == 4 * n and peak["gradients"] == 4 * n
+    assert peak["optimizer_state"] == 8 * n  # AdamW: exp_avg + exp_avg_sq, fp32
+    assert peak["activations"] > 0

@@ -156,8 +156,8 @@ class Trainer:
         with trace.span("optimizer", "optimizer"):
             grad_norm = s.clip_grad_norm(cfg.clip if cfg.clip is not None else math.inf)
             s.optimizer.step()
-            s.optimizer.zero_grad(set_to_none=True)
-        s.record_memory()
+        s.record_memory()  # before zero_grad: gradients and optimizer state are both alive here
+        s.optimizer.zero_grad(set_to_none=True)
         loss = local_loss.clone()
         comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="metrics")
         elapsed = time.time() - t0
