@@ -105,6 +105,11 @@ class Work:
         self._done = True
         self._on_done()
 
+    @property
+    def waited(self) -> bool:
+        """True once ``wait()`` returned (finishing on its own does not count: nobody saw the result)."""
+        return self._done
+
     def is_completed(self) -> bool:
         return self._done or (self._work is not None and self._work.is_completed())
 

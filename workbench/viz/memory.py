@@ -19,7 +19,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "optimizer_state": "#FFA15A",
     "activations": "#00CC96",
     "comm_buffers": "#19D3F3",
-    "gathered_shards": "#FF6692",
+    "gathered_params": "#FF6692",
     "other": "#B6E880",
 }
 _SPARE_COLORS = ("#FF97FF", "#FECB52", "#8C564B", "#7F7F7F", "#17BECF", "#BCBD22")

@@ -1,0 +1,285 @@
+"""Lab 03: write the heart of bucketed DDP, and a checker that says what went wrong.
+
+The learner subclasses ``BucketedDDPScaffold`` (buckets, flat buffers and hooks are given) and writes three
+methods:
+
+* ``broadcast_parameters()``: make every rank start from rank 0's parameters and buffers;
+* ``_on_grad_ready(param)``: called by autograd once ``param.grad`` is final; copy it into its bucket slot,
+  count the bucket down, and start the bucket's async all-reduce when its last gradient has arrived
+  (Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3);
+* ``finish_gradient_synchronization()``: wait on every handle, average, copy the results into ``.grad``
+  and reset the countdown for the next backward.
+
+``check(cls)`` trains a ToyMLP for a few steps on 2 real ranks that start from *different* weights and
+compares every step's gradients, bucket by bucket, with single-process training on the global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench import comm
+from workbench.labs import LabCheckFailed
+
+WORLD_SIZE = 2
+STEPS = 3
+GLOBAL_BATCH = 8
+BUCKET_MB = 0.004  # ~4 KiB: splits the ToyMLP into several buckets
+LR = 0.05
+_TOL = {"rtol": 1e-4, "atol": 1e-6}  # plain SGD, a few fp32 steps: only summation order differs
+
+
+class BucketedDDPScaffold(nn.Module):
+    """Everything around the three methods the lab asks for: buckets, flat buffers, hooks and forward.
+
+    ``self.buckets[i]`` lists bucket i's parameters (reverse registration order: the last layers' gradients
+    come first in backward), ``self.bucket_buffers[i]`` is its flat buffer, ``self.slot(p)`` the view of that
+    buffer shaped like ``p``, ``self.pending[i]`` how many of bucket i's gradients are still to come and
+    ``self.handles`` the async all-reduce handles launched in this backward.
+    """
+
+    def __init__(self, module: nn.Module, group: Any = None, bucket_mb: float = BUCKET_MB) -> None:
+        super().__init__()
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
+        self.module = module
+        self.group = group
+        self.world_size = comm.group_size(group)
+        params = [p for p in module.parameters() if p.requires_grad]  # tied weights once, frozen skipped
+        self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        self.bucket_buffers = [torch.zeros(sum(p.numel() for p in b)) for b in self.buckets]
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._slots = {id(p): view.view_as(p) for b, buf in zip(self.buckets, self.bucket_buffers, strict=True)
+                       for p, view in zip(b, buf.split([p.numel() for p in b]), strict=True)}
+        self.reset_pending()
+        self.broadcast_parameters()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def bucket_of(self, param: nn.Parameter) -> int:
+        return self._bucket_of[id(param)]
+
+    def slot(self, param: nn.Parameter) -> torch.Tensor:
+        return self._slots[id(param)]
+
+    def reset_pending(self) -> None:
+        """Ready the countdown and the handle list for the next backward."""
+        self.pending = [len(b) for b in self.buckets]
+        self.handles: list[Any] = []
+
+    def bucket_param_names(self) -> list[list[str]]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [[names[id(p)] for p in b] for b in self.buckets]
+
+    # The three methods the learner writes.
+    def broadcast_parameters(self) -> None:
+        raise NotImplementedError("copy rank 0's parameters and buffers to every rank with comm.broadcast")
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        raise NotImplementedError("copy param.grad into its slot; when its bucket is complete, start the "
+                                  "bucket's all-reduce with async_op=True")
+
+    def finish_gradient_synchronization(self) -> None:
+        raise NotImplementedError("wait on every handle, average, copy into .grad, reset_pending()")
+
+
+def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+# ----------------------------------------------------------------------------------------------------
+# What runs on each rank.
+
+
+def _rank_run(cls: type) -> dict[str, Any]:
+    from workbench.models import build_mlp, regression_batch
+
+    rank = comm.group_rank()
+    launched: list[Any] = []
+    original = comm.all_reduce
+
+    def counting_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        work = original(*args, **kwargs)
+        if work is not None:
+            launched.append(work)
+        return work
+
+    comm.all_reduce = counting_all_reduce  # this rank process only: count launches, find unwaited ones
+    try:
+        model = build_mlp(seed=rank)  # ranks start DIFFERENT on purpose: the broadcast must fix it
+        model.scale.add_(rank)
+        ddp = cls(model, None, BUCKET_MB)
+        out: dict[str, Any] = {"after_wrap": {k: v.clone() for k, v in model.state_dict().items()},
+                               "buckets": ddp.bucket_param_names(), "steps": []}
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        for step in range(STEPS):
+            x, y = (t.chunk(WORLD_SIZE)[rank] for t in regression_batch(GLOBAL_BATCH, step=step))
+            launched.clear()
+            opt.zero_grad()
+            ddp(x, y).backward()
+            ddp.finish_gradient_synchronization()
+            out["steps"].append({"launched": len(launched), "unwaited": sum(not _waited(w) for w in launched),
+                                 "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                                           if p.grad is not None}})
+            opt.step()
+        return out
+    finally:
+        comm.all_reduce = original
+
+
+def _waited(work: Any) -> bool:
+    # is_completed() would also be true for work that finished unobserved; `waited` means wait() was called.
+    return bool(getattr(work, "waited", True))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The reference and the diagnosis, in the caller.
+
+
+def _reference() -> list[dict[str, Any]]:
+    """Per step: the full-batch gradient (what averaging must give) and each rank's local gradient."""
+    from workbench.models import build_mlp, regression_batch
+
+    model = build_mlp(seed=0)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    steps = []
+    for step in range(STEPS):
+        x, y = regression_batch(GLOBAL_BATCH, step=step)
+        local = []
+        for r in range(WORLD_SIZE):
+            model.zero_grad()
+            model(x.chunk(WORLD_SIZE)[r], y.chunk(WORLD_SIZE)[r]).backward()
+            local.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.zero_grad()
+        model(x, y).backward()
+        steps.append({"average": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                      "local": local})
+        opt.step()
+    return steps
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, **_TOL)
+
+
+def _classify(names: list[str], got: dict, want: dict, local: dict) -> str:
+    """How one bucket's gradients on one rank relate to the right answer."""
+    if any(n not in got for n in names):
+        return "missing"
+    if all(_close(got[n], want[n]) for n in names):
+        return "ok"
+    if all(_close(got[n], WORLD_SIZE * want[n]) for n in names):
+        return "summed"
+    if all(_close(got[n], local[n]) for n in names):
+        return "local"
+    return "wrong"
+
+
+def _check_broadcast(results: list[dict]) -> None:
+    first = results[0]["after_wrap"]
+    for rank, res in enumerate(results[1:], start=1):
+        differ = [k for k, v in res["after_wrap"].items() if not torch.equal(v, first[k])]
+        if not differ:
+            continue
+        if all(k == "scale" for k in differ):
+            raise LabCheckFailed("parameters match after wrapping but the buffer 'scale' differs between ranks: "
+                                 "broadcast_parameters must broadcast module.buffers() too, not only parameters.")
+        raise LabCheckFailed(f"right after wrapping, rank {rank} holds different weights than rank 0 ({differ[:3]}"
+                             "...): the replicas diverge from step 0. broadcast_parameters must copy rank 0's "
+                             "parameters AND buffers to every rank: comm.broadcast(t.detach(), "
+                             "src=comm.global_rank(self.group, 0), group=self.group) for each.")
+
+
+def _check_launches(step: int, info: dict, n_buckets: int, results: list[dict]) -> None:
+    if info["unwaited"]:
+        raise LabCheckFailed(f"step {step}: {info['unwaited']} all-reduce(s) were still in flight when "
+                             "finish_gradient_synchronization returned: it must call .wait() on every handle "
+                             "before reading the buckets.")
+    if info["launched"] == 0 and step > 0 and results[0]["steps"][0]["launched"] == n_buckets:
+        raise LabCheckFailed(f"step 0 launched its {n_buckets} bucket all-reduces but step {step} launched none: "
+                             "the countdown was not reset. Call self.reset_pending() at the end of "
+                             "finish_gradient_synchronization.")
+    if info["launched"] == 0:
+        raise LabCheckFailed("no all-reduce was launched during backward: in _on_grad_ready, when a bucket's last "
+                             "gradient arrives (self.pending[i] reaches 0), start "
+                             "comm.all_reduce(self.bucket_buffers[i], group=self.group, async_op=True) and keep "
+                             "the handle in self.handles.")
+    if info["launched"] != n_buckets:
+        raise LabCheckFailed(f"step {step}: {info['launched']} all-reduces for {n_buckets} buckets: launch each "
+                             "bucket exactly once, when its countdown reaches 0 (not once per parameter).")
+
+
+def _check_grads(step: int, rank: int, got: dict, ref: dict, buckets: list[list[str]]) -> None:
+    kinds = [_classify(names, got, ref["average"], ref["local"][rank]) for names in buckets]
+    if all(k == "ok" for k in kinds):
+        return
+    bad = [i for i, k in enumerate(kinds) if k != "ok"]
+    if all(k == "summed" for k in kinds):
+        raise LabCheckFailed("gradients were summed, not averaged: after waiting, divide each bucket by the "
+                             "world size (self.world_size), so the step equals one process on the global batch.")
+    if "missing" in kinds:
+        raise LabCheckFailed(f"step {step}: some parameters have no .grad after synchronisation (buckets {bad}).")
+    if all(k in ("ok", "local") for k in kinds):
+        if kinds.count("ok") == 1:
+            raise LabCheckFailed(f"step {step}: only bucket {kinds.index('ok')} was averaged; buckets {bad} still "
+                                 "hold each rank's local gradient. Wait on EVERY handle in self.handles and copy "
+                                 "EVERY bucket back into its parameters' .grad, not just the last one.")
+        if all(k == "local" for k in kinds):
+            raise LabCheckFailed(f"step {step}: .grad still holds each rank's local gradient: after waiting, copy "
+                                 "each bucket's averaged slice back into param.grad (p.grad.copy_(self.slot(p))).")
+        raise LabCheckFailed(f"step {step}: buckets {bad} were never averaged: every bucket must be all-reduced "
+                             "and copied back into .grad.")
+    raise LabCheckFailed(f"step {step}: the gradients of buckets {bad} are wrong (neither the average, the sum "
+                         "nor the local gradient). Did a bucket's all-reduce start before all of its gradients "
+                         "were copied in? Copy param.grad into self.slot(param) first, then count down, and "
+                         "launch only when self.pending[i] == 0.")
+
+
+def check(cls: type, world_size: int = WORLD_SIZE, timeout: float = 30.0) -> None:
+    """Run ``cls`` (a BucketedDDPScaffold subclass) on real ranks; raise LabCheckFailed with a hint if wrong."""
+    from workbench.launch import RankError, launch
+
+    if world_size != WORLD_SIZE:
+        raise ValueError(f"this checker runs on {WORLD_SIZE} ranks, got world_size={world_size}")
+    if not (isinstance(cls, type) and issubclass(cls, BucketedDDPScaffold)):
+        raise LabCheckFailed(f"check expects your class (a subclass of BucketedDDPScaffold), got {cls!r}")
+    try:
+        results = launch(_rank_run, world_size, cls, timeout=timeout)
+    except RankError as err:
+        raise LabCheckFailed(_explain_rank_error(err)) from None
+    _check_broadcast(results)
+    reference = _reference()
+    buckets = results[0]["buckets"]
+    for step in range(STEPS):
+        for rank, res in enumerate(results):
+            _check_launches(step, res["steps"][step], len(buckets), results)
+            _check_grads(step, rank, res["steps"][step]["grads"], reference[step], buckets)
+    print(f"Correct! {len(buckets)} buckets, {STEPS} steps on {world_size} ranks that started from different "
+          "weights: every bucket was all-reduced during backward and every gradient equals single-process "
+          "training on the global batch.")
+
+
+def _explain_rank_error(err: Exception) -> str:
+    text = str(err)
+    if "NotImplementedError" in text:
+        line = next((ln for ln in text.splitlines() if "NotImplementedError" in ln), text.splitlines()[0])
+        return f"a method is not written yet: {line.split('NotImplementedError:', 1)[-1].strip()}"
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return ("a collective waited forever: every rank must launch every bucket's all-reduce, the same number "
+                "of times and in the same order (and broadcast every tensor from the same src).")
+    return f"your code raised on a rank: {text.splitlines()[0]}"
