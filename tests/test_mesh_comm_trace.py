@@ -135,6 +135,7 @@ def test_trace_round_trips_through_json() -> None:
 
 
 TORCHRUN_SCRIPT = textwrap.dedent("""
+    import os, sys
     import torch, torch.distributed as dist
     from workbench import launch, comm
 
@@ -145,7 +146,9 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":
         results = launch(fn, 2)
-        print("RESULT", dist.is_initialized(), list(results), len(results.traces))
+        # one file per rank: two processes printing to one pipe may interleave their lines
+        with open(os.path.join(sys.argv[1], "rank%s.txt" % os.environ["RANK"]), "w") as f:
+            f.write("RESULT %s %s %s" % (dist.is_initialized(), list(results), len(results.traces)))
 """)
 
 
@@ -154,9 +157,8 @@ def test_under_torchrun_runs_for_own_rank(tmp_path) -> None:
     script.write_text(TORCHRUN_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--standalone", str(script)], capture_output=True, text=True, timeout=100,
+                           "--standalone", str(script), str(tmp_path)], capture_output=True, text=True, timeout=100,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if "RESULT" in line]
-    assert len(lines) == 2
-    assert all("False [(0, 3.0), (1, 3.0)] 2" in line for line in lines)
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert lines == ["RESULT False [(0, 3.0), (1, 3.0)] 2"] * 2

@@ -39,9 +39,8 @@ def _run_parser(sub: Any) -> None:
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
-    from workbench.train import RunConfig
-
     from workbench.launch import under_torchrun
+    from workbench.train import RunConfig
 
     nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1)
     return RunConfig(model=args.model, seq_len=args.seq_len, nproc=nproc, dp=args.dp, steps=args.steps,

@@ -113,11 +113,16 @@ def _rank_run(cls: type) -> dict[str, Any]:
     launched: list[Any] = []
     original = comm.all_reduce
 
-    def counting_all_reduce(*args: Any, **kwargs: Any) -> Any:
-        work = original(*args, **kwargs)
-        if work is not None:
-            launched.append(work)
-        return work
+    def counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("async_op"):
+            return original(tensor, *args, **kwargs)
+        # The all-reduce reads its buffer at launch (as NCCL on a stream would). Gloo may read it a moment
+        # later, which would make "copied in after launching" pass by luck; reduce a snapshot instead, so
+        # the mistake shows every time.
+        snapshot = tensor.detach().clone()
+        work = original(snapshot, *args, **kwargs)
+        launched.append(work)
+        return _CopyBackOnWait(work, snapshot, tensor)
 
     comm.all_reduce = counting_all_reduce  # this rank process only: count launches, find unwaited ones
     try:
@@ -140,6 +145,25 @@ def _rank_run(cls: type) -> dict[str, Any]:
         return out
     finally:
         comm.all_reduce = original
+
+
+class _CopyBackOnWait:
+    """A comm.Work whose result lands in the learner's buffer when waited on."""
+
+    def __init__(self, work: Any, snapshot: torch.Tensor, target: torch.Tensor) -> None:
+        self._work, self._snapshot, self._target = work, snapshot, target
+
+    def wait(self) -> None:
+        if not self._work.waited:
+            self._work.wait()
+            self._target.copy_(self._snapshot)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    @property
+    def waited(self) -> bool:
+        return self._work.waited
 
 
 def _waited(work: Any) -> bool:
