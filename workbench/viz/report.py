@@ -10,7 +10,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.trace import Trace
-from workbench.viz.timeline import comm_table, timeline
+from workbench.viz.timeline import comm_table, steps_only, timeline
 
 
 def loss_curve(history: Sequence[dict[str, Any]], title: str = "global-batch loss per step") -> go.Figure:
@@ -50,7 +50,8 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
     history = summary["history"]
     last_traced = max((c.step for t in traces for c in _trace(t).comms if c.step is not None), default=None)
     figures = [loss_curve(history), metric_curves(history),
-               timeline(traces, title=f"per-rank timeline of the last traced steps ({summary['strategy']})")]
+               timeline([steps_only(t) for t in traces],
+                        title=f"per-rank timeline of the last traced steps ({summary['strategy']})")]
     parts = [f"<h1>workbench run: {html.escape(summary['strategy'])}</h1>",
              f"<p>{summary['config']['nproc']} rank(s), model {html.escape(summary['config']['model'])} "
              f"({summary['n_params']:,} parameters), {len(history)} steps, final loss "

@@ -34,6 +34,15 @@ def _bars(name: str, colour: str, y: list[str], base: list[float], width: list[f
                   hovertext=text, hoverinfo="text", legendgroup=legendgroup, width=0.38, offset=offset)
 
 
+def steps_only(t: Trace | dict, steps: Sequence[int] | None = None) -> Trace:
+    """A copy of ``t`` keeping the spans and comms of training steps (``steps``, or any step), dropping
+    set-up work such as the wrap-time broadcast."""
+    t = _as_trace(t)
+    keep = (lambda s: s is not None) if steps is None else (lambda s: s in set(steps))
+    return Trace(t.rank, t.world_size, spans=[s for s in t.spans if keep(s.step)],
+                 comms=[c for c in t.comms if keep(c.step)], memory=t.memory, metrics=t.metrics)
+
+
 def timeline(traces: Sequence[Trace | dict], title: str = "per-rank timeline (measured)",
              unit: str = "ms") -> go.Figure:
     """Spans (upper half of each rank's row) and communication events (lower half), per rank.
@@ -52,13 +61,13 @@ def timeline(traces: Sequence[Trace | dict], title: str = "per-rank timeline (me
                                 [(s.t0 - t_origin) * scale for _, s in rows],
                                 [max((s.t1 - s.t0) * scale, 1e-3) for _, s in rows],
                                 [f"{s.name} ({(s.t1 - s.t0) * 1e3:.2f} ms)" for _, s in rows],
-                                "spans", -0.4))
+                                "spans", 0.02))
     for op in sorted({c.op for t in traces for c in t.comms}):
         rows = [(f"rank {t.rank}", c) for t in traces for c in t.comms if c.op == op]
         fig.add_trace(_bars(op, COMM_COLOURS.get(op, "#333333"), [r for r, _ in rows],
                             [(c.t0 - t_origin) * scale for _, c in rows],
                             [max((c.t1 - c.t0) * scale, 1e-3) for _, c in rows],
-                            [_comm_label(c) for _, c in rows], "comms", 0.02))
+                            [_comm_label(c) for _, c in rows], "comms", -0.4))
     ranks = [f"rank {t.rank}" for t in sorted(traces, key=lambda t: t.rank)]
     fig.update_layout(title=title, barmode="overlay", xaxis_title=f"time ({unit})",
                       yaxis={"categoryorder": "array", "categoryarray": ranks[::-1]},
