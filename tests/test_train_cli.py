@@ -133,3 +133,11 @@ def test_memory_ledger_of_single_process_matches_tensors(baseline: dict) -> None
     assert peak["parameters"] == 4 * n and peak["gradients"] == 4 * n
     assert peak["optimizer_state"] == 8 * n  # AdamW: exp_avg + exp_avg_sq, fp32
     assert peak["activations"] > 0
+
+
+def test_cli_calc_prints_per_rank_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calc", "--model", "llama-7B", "--dp", "8", "--zero", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "16Ψ/N" in out and "total per rank" in out
+    total = float(out.split("total per rank")[1].split()[0])
+    assert total == pytest.approx(6_738_415_616 * 16 / 8 / 2**30, rel=1e-3)

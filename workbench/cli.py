@@ -127,13 +127,26 @@ def _calc(args: argparse.Namespace) -> None:
     print(f"  {'total per rank':<16} {table['total_gib']:10.2f} GiB")
 
 
+def _bench(rest: list[str]) -> int:
+    """Benchmarks live beside the package in a source checkout (they are not installed with it)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+    if not script.exists():
+        print(f"workbench bench needs a source checkout: {script} not found", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *rest])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every later flag belongs to benchmarks/run.py
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _calc_parser(sub)
-    bench = sub.add_parser("bench", help="run benchmarks/run.py side by side with PyTorch's built-ins")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="run benchmarks/run.py (ours beside PyTorch's built-ins); flags pass through")
     args = parser.parse_args(argv)
     if args.command == "run":
         try:
@@ -148,11 +161,6 @@ def main(argv: list[str] | None = None) -> int:
             _calc(args)
         except ValueError as exc:
             parser.error(str(exc))
-    else:
-        import runpy
-
-        sys.argv = ["benchmarks/run.py", *args.rest]
-        runpy.run_path(str(Path("benchmarks") / "run.py"), run_name="__main__")
     return 0
 
 
