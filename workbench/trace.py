@@ -177,17 +177,17 @@ class Tracer:
     def activations(self) -> Iterator[None]:
         """Count bytes autograd saves for backward (saved-tensor hooks) into the ledger's ``activations``.
 
-        Tensors are de-duplicated by storage, and a leaf that requires grad (a parameter) is not an
-        activation: its bytes already sit under ``parameters``. Autograd frees saved tensors as backward
-        consumes them, which no hook reports, so the ledger holds this forward's total (its peak) until
-        the caller calls ``release_activations`` after backward.
+        Tensors are de-duplicated by storage, and a parameter is not an activation, nor is a view of one
+        (``Linear`` saves ``weight.t()``): those bytes already sit under ``parameters``. Autograd frees
+        saved tensors as backward consumes them, which no hook reports, so the ledger holds this forward's
+        total (its peak) until the caller calls ``release_activations`` after backward.
         """
         import torch
 
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if isinstance(t, torch.nn.Parameter) or t.requires_grad and t.is_leaf:
+            if _is_parameter_or_view(t):
                 return t
             key = t.untyped_storage().data_ptr()
             if key not in seen:
@@ -200,6 +200,11 @@ class Tracer:
 
     def release_activations(self) -> None:
         self.memory.set("activations", 0)
+
+
+def _is_parameter_or_view(t: Any) -> bool:
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
 
 
 class _Active:

@@ -8,6 +8,7 @@ use exactly what the widget shows; the widget only collects inputs and draws.
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
@@ -171,11 +172,12 @@ class MemoryCalculator(widgets.VBox):
                 self.figure_widget.layout = self.figure.layout
             return
         if _in_kernel():  # outside a kernel there is nothing to render into
-            from IPython.display import display
-
-            with self.output:
-                self.output.clear_output(wait=True)
-                display(self.figure)
+            # Set the Output's contents directly rather than capturing display() inside `with output:` plus
+            # clear_output(wait=True): that capture path intermittently left headless runs (papermill)
+            # waiting forever on the cell that first displays the widget.
+            bundle = {"application/vnd.plotly.v1+json": json.loads(self.figure.to_json()),
+                      "text/plain": "memory per rank by ZeRO stage (plotly figure)"}
+            self.output.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
 
 
 def _stage_figure(kwargs: dict, table: dict) -> go.Figure:
