@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import trace
+from workbench.theory import comm as theory_comm
 from workbench.trace import CommEvent
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -58,18 +59,11 @@ def global_rank(group: Any, group_rank_: int) -> int:
 
 
 def bus_bytes(op: str, nbytes: int, world: int) -> float:
-    """Bytes one rank sends for ``op`` under the ring algorithm (nccl-tests' bus-bandwidth accounting).
-
-    all-reduce = reduce-scatter + all-gather, each moving (N-1)/N of the full tensor (Patarasuk & Yuan
-    2009); broadcast, send and recv move the tensor once.
-    """
-    if world <= 1:
+    """Bytes one rank sends for ``op`` (ring accounting, ``theory.comm.bus_bytes``); nothing moves in a group
+    of one, nor in a barrier."""
+    if world <= 1 or op == "barrier":
         return 0.0
-    if op == "all_reduce":
-        return 2.0 * (world - 1) / world * nbytes
-    if op in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (world - 1) / world * nbytes
-    return float(nbytes)
+    return theory_comm.bus_bytes(op, nbytes, world)
 
 
 def _nbytes(t: torch.Tensor) -> int:

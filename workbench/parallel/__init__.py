@@ -108,11 +108,12 @@ def _ddp(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
 
 
 def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    from workbench.parallel.ddp import broadcast_module_state
     from workbench.parallel.zero import ZeroOptimizer
 
     optimizer = ZeroOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW,
                               group=mesh.dp_group, stage=2, offload=cfg.offload, **_optimizer_kwargs(cfg))
-    _broadcast_from_first(model, mesh)
+    broadcast_module_state(model, mesh.dp_group)  # no wrapper does it at stage 2: start every replica alike
     return Parallelized(model, optimizer, optimizer.no_sync, optimizer.finish_gradient_synchronization,
                         optimizer.clip_grad_norm_, lambda: _named_trainable(model), lambda: None,
                         "ZeRO-2" + (" + offload" if cfg.offload else ""))
@@ -127,13 +128,3 @@ def _zero3(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
     return Parallelized(sharded, optimizer, sharded.no_sync, sharded.finish_gradient_synchronization,
                         optimizer.clip_grad_norm_, sharded.full_parameters, lambda: None,
                         "ZeRO-3" + (" + offload" if cfg.offload else ""))
-
-
-def _broadcast_from_first(model: nn.Module, mesh: Any) -> None:
-    """Start every replica from rank 0's weights (the models are seeded alike; this makes it certain)."""
-    from workbench import comm
-
-    src = comm.global_rank(mesh.dp_group, 0)
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            comm.broadcast(tensor.data, src=src, group=mesh.dp_group, tag="init")
