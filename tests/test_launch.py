@@ -140,10 +140,10 @@ def test_bad_arguments_raise_before_spawning(bad: dict, message: str) -> None:
         launch(print, **bad)
 
 
-def test_nccl_without_gpus_is_a_clear_error() -> None:
+def test_nccl_without_enough_gpus_is_a_clear_error() -> None:
     if torch.cuda.device_count() >= 2:
-        pytest.skip("machine has GPUs")
-    with pytest.raises(ValueError, match="one GPU per rank"):
+        pytest.skip("machine has 2 GPUs: NCCL on 2 ranks is valid here")
+    with pytest.raises(ValueError, match="no CUDA device is available|one GPU per rank"):
         launch(print, 2, backend="nccl")
 
 

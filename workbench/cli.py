@@ -1,5 +1,6 @@
-"""``workbench`` command line: ``run`` trains on gloo ranks and writes a summary and a report;
-``calc`` prints the per-rank memory of a training configuration; ``bench`` runs the benchmarks."""
+"""``workbench`` command line: ``run`` trains on N ranks (gloo on the CPU, or NCCL with one GPU per rank) and
+writes a summary and a report; ``env`` says what this machine offers a run; ``calc`` prints the per-rank
+memory of a training configuration; ``bench`` runs the benchmarks."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from workbench.launch import VALID_BACKENDS, VALID_DEVICES
 from workbench.parallel import DDP_KINDS, ZERO_STAGES
 
 
 def _run_parser(sub: Any) -> None:
-    p = sub.add_parser("run", help="train the tiny GPT on N gloo ranks; write summary.json and report.html")
+    p = sub.add_parser("run", help="train the tiny GPT on N ranks; write summary.json and report.html")
     p.add_argument("--nproc", type=int, default=None,
                    help="number of ranks (1 = the single-process baseline; under torchrun: its WORLD_SIZE)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: nproc)")
@@ -34,6 +37,12 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--offload", action="store_true", help="offload optimizer state (and stage-3 params) to CPU")
     p.add_argument("--data", default=None, help="a text file to train on instead of the bundled corpus")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    p.add_argument("--device", choices=VALID_DEVICES, default=None,
+                   help="auto (default, or $WORKBENCH_DEVICE): CUDA + NCCL when every rank gets a GPU, else gloo "
+                        "on the CPU; cpu; cuda (one GPU per rank, or an error)")
+    p.add_argument("--backend", choices=("auto", *VALID_BACKENDS), default="auto",
+                   help="process-group backend (auto follows the device)")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: the OS picks a free one)")
     p.add_argument("--out", default="runs/latest", help="directory for summary.json and report.html")
     p.add_argument("--no-progress", action="store_true")
 
@@ -42,11 +51,17 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     from workbench.launch import under_torchrun
     from workbench.train import RunConfig
 
-    nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1)
+    if args.nproc is not None:
+        nproc = args.nproc
+    else:
+        nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+    if args.clip is not None and args.clip < 0:
+        raise ValueError(f"clip must be >= 0 (0 disables clipping), got {args.clip}")
     return RunConfig(model=args.model, seq_len=args.seq_len, nproc=nproc, dp=args.dp, steps=args.steps,
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
-                     zero=args.zero, offload=args.offload, data=args.data, timeout=args.timeout)
+                     zero=args.zero, offload=args.offload, data=args.data, timeout=args.timeout,
+                     device=args.device, backend=None if args.backend == "auto" else args.backend, port=args.port)
 
 
 def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
@@ -67,7 +82,8 @@ def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
 
     try:
-        results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report)
+        results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report, device=cfg.device,
+                         backend=cfg.backend, port=cfg.port)
     finally:
         bar.close()
     summary = summarize(cfg, results[0], results.traces)
@@ -84,7 +100,9 @@ def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, A
         "losses": [m["loss"] for m in history], "tokens_per_s": statistics.median(steady),
         "step_time_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
         "final_params_sha256": rank0["final_params_sha256"], "history": history,
+        "placement": rank0.get("placement"),
         "memory_peak_bytes": [t.memory.peak for t in traces],
+        "device_memory": [asdict(t.device_memory) if t.device_memory is not None else None for t in traces],
     }
 
 
@@ -95,6 +113,40 @@ def write_outputs(out: Path, summary: dict[str, Any], traces: list[Any]) -> None
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "traces.json").write_text(json.dumps([t.to_dict() for t in traces]))
     write_report(out / "report.html", summary, traces)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Validate everything before a rank starts (a bad flag is one line, exit 2); a rank's failure is one
+    paragraph naming the rank and where it failed (exit 1), not a traceback of the launcher."""
+    from workbench.launch import RankError, resolve_placement, under_torchrun
+
+    try:
+        cfg = _config_from_args(args)
+        placement = resolve_placement(cfg.nproc, cfg.device, cfg.backend)
+    except ValueError as exc:
+        parser.error(str(exc))
+    lead = os.environ.get("RANK", "0") == "0"
+    if lead and not under_torchrun():
+        print(f"workbench: {placement.describe(cfg.nproc)}", file=sys.stderr)
+    try:
+        summary = run_training(cfg, args.out, progress=not args.no_progress)
+    except ValueError as exc:  # found only at launch (e.g. the rendezvous port is taken)
+        parser.error(str(exc))
+    except RankError as exc:
+        print(f"workbench run: {_rank_failure(exc)}", file=sys.stderr)
+        return 1
+    if lead:
+        _print_summary(summary, args.out)
+    return 0
+
+
+def _rank_failure(exc: Any) -> str:
+    """The rank's message and the last frames of its traceback: where it failed, not the whole stack."""
+    lines = [line for line in exc.remote_traceback.strip().splitlines()
+             if line.strip() and not line.startswith("Traceback")]
+    tail = lines[-3:-1]  # the innermost frame and its code line; the last line repeats the message
+    where = "".join(f"\n  {line.strip()}" for line in tail)
+    return f"rank {exc.rank} failed: {exc.message}{where}"
 
 
 def _print_summary(summary: dict[str, Any], out: str) -> None:
@@ -147,15 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     _run_parser(sub)
     _calc_parser(sub)
     sub.add_parser("bench", help="run benchmarks/run.py (ours beside PyTorch's built-ins); flags pass through")
+    env = sub.add_parser("env", help="what this machine offers a run: torch, backends, GPUs, cores, sensible --nproc")
+    env.add_argument("--json", action="store_true", help="print the facts as JSON")
     args = parser.parse_args(argv)
     if args.command == "run":
-        try:
-            cfg = _config_from_args(args)
-        except ValueError as exc:
-            parser.error(str(exc))
-        summary = run_training(cfg, args.out, progress=not args.no_progress)
-        if os.environ.get("RANK", "0") == "0":
-            _print_summary(summary, args.out)
+        return _run(parser, args)
+    elif args.command == "env":
+        from workbench.environment import describe_environment, format_environment
+
+        info = describe_environment()
+        print(json.dumps(info, indent=2) if args.json else format_environment(info))
     elif args.command == "calc":
         try:
             _calc(args)

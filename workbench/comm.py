@@ -66,6 +66,21 @@ def bus_bytes(op: str, nbytes: int, world: int) -> float:
     return theory_comm.bus_bytes(op, nbytes, world)
 
 
+def check_device(op: str, group: Any, *tensors: torch.Tensor) -> None:
+    """Refuse, with the fix, a tensor the group's backend cannot move: NCCL needs CUDA tensors; gloo
+    collectives on CUDA tensors crashed the rank when measured (``writev: Bad address``)."""
+    if not is_distributed() or group_size(group) == 1:  # a group of one moves nothing
+        return
+    backend = dist.get_backend(group)
+    for t in tensors:
+        if backend == "nccl" and t.device.type != "cuda":
+            raise ValueError(f"{op}: the NCCL backend needs CUDA tensors, got one on {t.device}; create it on "
+                             f"the rank's device (workbench.launch.rank_device() / mesh.device)")
+        if backend == "gloo" and t.device.type == "cuda":
+            raise ValueError(f"{op}: gloo cannot move CUDA tensors here, got one on {t.device}; launch with "
+                             f"device='cuda' (NCCL) or keep the tensor on the CPU")
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -133,6 +148,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_o
                tag: str = "") -> Work | None:
     """In-place all-reduce. ``op="avg"`` is a sum followed by a division (gloo has no AVG everywhere)."""
     reduce_op = _reduce_op(op)
+    check_device("all_reduce", group, tensor)
     t0 = time.time()
     world = group_size(group)
     after = (lambda: tensor.div_(world)) if op == "avg" and world > 1 else None
@@ -149,6 +165,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", g
     if input.shape[0] != output.shape[0] * world:
         raise ValueError(f"reduce_scatter: input dim 0 ({input.shape[0]}) must be world ({world}) x "
                          f"output dim 0 ({output.shape[0]})")
+    check_device("reduce_scatter", group, output, input)
     t0 = time.time()
     if world == 1:
         output.copy_(input)
@@ -167,6 +184,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
     if output.shape[0] != input.shape[0] * world:
         raise ValueError(f"all_gather: output dim 0 ({output.shape[0]}) must be world ({world}) x "
                          f"input dim 0 ({input.shape[0]})")
+    check_device("all_gather", group, output, input)
     t0 = time.time()
     if world == 1:
         output.copy_(input)
@@ -180,6 +198,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False,
               tag: str = "") -> Work | None:
     """Broadcast from ``src``, a *global* rank as in torch.distributed."""
+    check_device("broadcast", group, tensor)
     t0 = time.time()
     work = dist.broadcast(tensor, src=src, group=group, async_op=True) if group_size(group) > 1 else None
     return _finish("broadcast", work, async_op,
@@ -191,6 +210,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = Non
     """Reduce to ``dst`` (a global rank); other ranks' tensors are left unspecified."""
     reduce_op = _reduce_op(op)
     world = group_size(group)
+    check_device("reduce", group, tensor)
     t0 = time.time()
     work = dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=True) if world > 1 else None
     is_dst = not is_distributed() or dist.get_rank() == dst
@@ -202,6 +222,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = Non
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
                tag: str = "") -> Work | None:
     """Chunk i of ``input`` goes to group rank i; chunk j of ``output`` comes from group rank j."""
+    check_device("all_to_all", group, output, input)
     t0 = time.time()
     if group_size(group) == 1:
         output.copy_(input)
@@ -214,6 +235,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> None:
     """Blocking send to global rank ``dst``."""
+    check_device("send", group, tensor)
     t0 = time.time()
     dist.send(tensor, dst=dst, group=group)
     _record("send", tensor, _nbytes(tensor), group, t0, tag=tag, peer=dst)
@@ -221,18 +243,21 @@ def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> No
 
 def recv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> None:
     """Blocking receive from global rank ``src`` into ``tensor``."""
+    check_device("recv", group, tensor)
     t0 = time.time()
     dist.recv(tensor, src=src, group=group)
     _record("recv", tensor, _nbytes(tensor), group, t0, tag=tag, peer=src)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> Work:
+    check_device("isend", group, tensor)
     t0 = time.time()
     work = dist.isend(tensor, dst=dst, group=group)
     return Work(work, lambda: _record("send", tensor, _nbytes(tensor), group, t0, True, tag, dst))
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> Work:
+    check_device("irecv", group, tensor)
     t0 = time.time()
     work = dist.irecv(tensor, src=src, group=group)
     return Work(work, lambda: _record("recv", tensor, _nbytes(tensor), group, t0, True, tag, src))
@@ -242,7 +267,7 @@ def barrier(group: Any = None, tag: str = "") -> None:
     t0 = time.time()
     if group_size(group) > 1:
         dist.barrier(group=group)
-    _record("barrier", torch.empty(0), 0, group, t0, tag=tag)
+    _record("barrier", torch.empty(0, device="cpu"), 0, group, t0, tag=tag)  # a record, not data
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:

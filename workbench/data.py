@@ -33,9 +33,10 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> torch.Tensor:
+        """Token ids in host memory (the dataset lives there; batches move to the rank's device)."""
         data = text.encode("utf-8")
         if not data:  # torch.frombuffer refuses an empty buffer
-            return torch.empty(0, dtype=torch.long)
+            return torch.empty(0, dtype=torch.long, device="cpu")
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str:
@@ -53,7 +54,7 @@ class TokenDataset:
     def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device="cpu").flatten()  # host memory
         n = (tokens.numel() - 1) // seq_len
         if n < 1:
             raise ValueError(
@@ -71,10 +72,13 @@ class TokenDataset:
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._x[i], self._y[i]
 
-    def get(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y), each [len(indices), seq_len], with y[:, t] the token after x[:, t]."""
-        idx = torch.as_tensor(list(indices), dtype=torch.long)
-        return self._x[idx], self._y[idx]
+    def get(self, indices: Sequence[int], device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) on `device`, each [len(indices), seq_len], with y[:, t] the token after x[:, t]."""
+        idx = torch.as_tensor(list(indices), dtype=torch.long, device="cpu")
+        x, y = self._x[idx], self._y[idx]
+        if torch.device(device).type == "cuda":  # pinned staging lets the copy run asynchronously
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.to(device), y.to(device)
 
 
 def _divisors(n: int) -> list[int]:
@@ -113,8 +117,8 @@ class ShardedSampler:
         if self._cached_epoch is None or self._cached_epoch[0] != epoch:
             # Mixing seed and epoch into one generator seed makes each epoch's order a pure function of
             # (seed, epoch): any rank, any restart, recomputes it without communication.
-            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
-            self._cached_epoch = (epoch, torch.randperm(self.num_windows, generator=g).tolist())
+            g = torch.Generator(device="cpu").manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+            self._cached_epoch = (epoch, torch.randperm(self.num_windows, generator=g, device="cpu").tolist())
         return self._cached_epoch[1]
 
     def global_indices(self, step: int) -> list[int]:
@@ -172,6 +176,11 @@ def _check_sampler_args(num_windows: int, global_batch: int, dp_rank: int, dp_si
             f"global_batch={global_batch} is larger than the dataset's {num_windows} windows; "
             f"use global_batch <= {num_windows} or a shorter seq_len"
         )
+
+
+def corpus_tokens(path: str | None = None) -> int:
+    """How many tokens the corpus has (its UTF-8 bytes), so configurations can be checked before spawning."""
+    return len(load_corpus(path).encode("utf-8"))
 
 
 def make_lm_data(seq_len: int, path: str | None = None) -> TokenDataset:

@@ -16,12 +16,20 @@ How it stays fast, safe and hang-free:
   ranks exit on their own if the caller dies. No orphan processes in any of these cases.
 * Each rank's stdout/stderr (C++ included: fds 1 and 2 are redirected) is relayed to the caller's
   ``sys.stdout``/``sys.stderr`` line by line, prefixed ``[rank r]``, so it appears in the notebook cell.
+
+One device per rank. ``resolve_placement`` decides, before anything is spawned, where the ranks run:
+CUDA + NCCL when every rank of this node gets a GPU of its own, otherwise gloo on the CPU. NCCL refuses two
+ranks on one GPU ("invalid usage") and gloo collectives on CUDA tensors crashed a rank on an H100
+(``writev: Bad address``), so with fewer GPUs than ranks the only honest choice is the CPU, said in one
+line. Inside a rank ``rank_device()`` is the device every tensor is born on (``cuda:LOCAL_RANK``, made
+current, or ``cpu``).
 """
 
 from __future__ import annotations
 
 import codecs
 import datetime
+import errno
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -31,6 +39,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -40,6 +49,10 @@ import torch.distributed as dist
 from workbench import trace
 
 VALID_BACKENDS = ("gloo", "nccl")
+VALID_DEVICES = ("auto", "cpu", "cuda")
+#: Default for ``launch(device=...)`` and ``workbench run --device`` (e.g. ``cpu`` to keep a GPU free).
+DEVICE_ENV = "WORKBENCH_DEVICE"
+_RANK_DEVICE_ENV = "WORKBENCH_RANK_DEVICE"
 _TERMINATE_GRACE_S = 2.0
 _DEATH_DRAIN_S = 0.5
 _ROOT_CAUSE_WINDOW_S = 1.0
@@ -68,9 +81,91 @@ class RankResults(list):
         self.traces = traces
 
 
-def default_backend() -> str:
-    """NCCL when CUDA is available (one GPU per rank), gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks of a launch run: ``backend`` (gloo/nccl), ``device`` (cpu/cuda) and, when ``auto``
+    could not use the GPUs it saw, ``note``: the one line that says why."""
+
+    backend: str
+    device: str
+    note: str = ""
+
+    def describe(self, world_size: int) -> str:
+        where = "one GPU each" if self.device == "cuda" else "the CPU"
+        text = f"{world_size} rank(s), {self.backend} on {where}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process can use (0 on a CPU build or a machine without a GPU)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_placement(world_size: int, device: str | None = None, backend: str | None = None,
+                      gpus: int | None = None, nccl_available: bool | None = None) -> Placement:
+    """Pick backend and device for ``world_size`` ranks on this node, or raise ``ValueError`` naming the fix.
+
+    ``device``: ``auto`` (default; ``$WORKBENCH_DEVICE`` overrides the default), ``cpu`` or ``cuda``.
+    ``auto`` is CUDA + NCCL when at least one GPU per rank is visible, else gloo on the CPU with a note.
+    ``gpus``/``nccl_available`` default to what this machine has (tests pass them to play other machines).
+    Under torchrun the ranks of *this node* (``LOCAL_WORLD_SIZE``) are what must each get a GPU.
+    """
+    if backend in (None, "auto"):
+        backend = None
+    elif backend not in VALID_BACKENDS:
+        raise ValueError(f"backend must be one of {VALID_BACKENDS} (or auto), got {backend!r}")
+    if device is None:  # the environment sets a default device; an explicit backend chooses its own
+        device = "auto" if backend else os.environ.get(DEVICE_ENV) or "auto"
+    if device not in VALID_DEVICES:
+        raise ValueError(f"device must be one of {VALID_DEVICES}, got {device!r}")
+    gpus = visible_gpus() if gpus is None else gpus
+    nccl = (dist.is_nccl_available() if nccl_available is None else nccl_available) and gpus > 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    if backend == "gloo" or device == "cpu":
+        if backend == "gloo" and device == "cuda":
+            raise ValueError("backend='gloo' with device='cuda': gloo collectives on CUDA tensors crashed the "
+                             "rank when measured (writev: Bad address); use backend='nccl' or device='cpu'")
+        if backend == "nccl":
+            raise ValueError("backend='nccl' needs CUDA tensors, but device='cpu'; use backend='gloo' with "
+                             "device='cpu', or device='cuda'")
+        return Placement("gloo", "cpu")
+    if device == "cuda" or backend == "nccl":
+        _require_gpus(local, gpus, nccl, asked=f"device='{device}'" if backend is None else "backend='nccl'")
+        return Placement("nccl", "cuda")
+    if nccl and gpus >= local:
+        return Placement("nccl", "cuda")
+    if gpus > 0:
+        why = (f"{local} ranks but {gpus} GPU(s) visible and NCCL needs one GPU per rank" if nccl
+               else "this torch has no NCCL")
+        return Placement("gloo", "cpu", f"running gloo on the CPU: {why}")
+    return Placement("gloo", "cpu")
+
+
+def _require_gpus(ranks: int, gpus: int, nccl: bool, asked: str) -> None:
+    if gpus == 0:
+        build = f"torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"{asked} but no CUDA device is available ({build}); use device='cpu' (gloo) or "
+                         f"device='auto', which falls back to the CPU")
+    if not nccl:
+        raise ValueError(f"{asked} needs NCCL, which this torch build lacks; use device='cpu' (gloo)")
+    if gpus < ranks:
+        raise ValueError(f"{asked} needs one GPU per rank: {ranks} ranks but {gpus} GPU(s) visible (NCCL "
+                         f"refuses two ranks on one GPU; gloo cannot move CUDA tensors); use {gpus} rank(s) "
+                         f"or less, or device='cpu' (gloo on the CPU)")
+
+
+def default_backend(world_size: int = 1) -> str:
+    """The backend ``launch`` picks for ``world_size`` ranks: NCCL with one GPU per rank, else gloo."""
+    return resolve_placement(world_size).backend
+
+
+def rank_device() -> torch.device:
+    """The device this rank creates its tensors on: ``cuda:LOCAL_RANK`` under NCCL, else the CPU.
+
+    Outside ``launch`` (one process, a test, a notebook cell) it is the CPU."""
+    if os.environ.get(_RANK_DEVICE_ENV) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def under_torchrun() -> bool:
@@ -79,21 +174,26 @@ def under_torchrun() -> bool:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
-           timeout: float = 60.0, on_report: Callable[[int, Any], None] | None = None,
-           **kwargs: Any) -> RankResults:
+           device: str | None = None, timeout: float = 60.0, port: int = 0,
+           on_report: Callable[[int, Any], None] | None = None, **kwargs: Any) -> RankResults:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
-    ``timeout`` (seconds) bounds every collective. ``on_report(rank, obj)`` is called in the caller for
-    each ``workbench.launch.report(obj)`` a rank makes while running (progress bars, live metrics).
-    ``backend``, ``timeout`` and ``on_report`` are launch's own keywords; all other keywords go to ``fn``.
+    ``device`` (``auto``/``cpu``/``cuda``) and ``backend`` choose where ranks run (``resolve_placement``);
+    inside ``fn``, ``rank_device()`` is this rank's device. ``timeout`` (seconds) bounds every collective.
+    ``port`` is the rendezvous port on 127.0.0.1 (0: the OS picks a free one). ``on_report(rank, obj)`` is
+    called in the caller for each ``workbench.launch.report(obj)`` a rank makes while running.
+    ``backend``, ``device``, ``timeout``, ``port`` and ``on_report`` are launch's own keywords; all other
+    keywords go to ``fn``.
 
     Raises ``RankError`` (a RuntimeError) naming the rank when a rank raises, dies or a collective times
     out; ``ValueError`` for bad arguments, before any process is started.
     """
-    backend = _validate(fn, world_size, backend, timeout)
+    placement = _validate(fn, world_size, backend, device, timeout, port)
+    if placement.note:
+        print(f"workbench: {placement.note}", file=sys.stderr)
     if under_torchrun():
-        return _run_under_torchrun(fn, world_size, backend, timeout, on_report, args, kwargs)
-    return _spawn_and_run(fn, world_size, backend, timeout, on_report, args, kwargs)
+        return _run_under_torchrun(fn, world_size, placement, timeout, on_report, args, kwargs)
+    return _spawn_and_run(fn, world_size, placement, timeout, port, on_report, args, kwargs)
 
 
 class _Reporter:
@@ -108,29 +208,24 @@ def report(obj: Any) -> None:
         _Reporter.send(obj)
 
 
-def _validate(fn: Any, world_size: Any, backend: str | None, timeout: Any) -> str:
+def _validate(fn: Any, world_size: Any, backend: str | None, device: str | None, timeout: Any,
+              port: Any) -> Placement:
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    backend = backend or default_backend()
-    if backend not in VALID_BACKENDS:
-        raise ValueError(f"backend must be one of {VALID_BACKENDS}, got {backend!r}")
-    if backend == "nccl" and not under_torchrun():
-        gpus = torch.cuda.device_count()
-        if gpus < world_size:
-            raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
-                             f"{gpus} CUDA device(s) visible; use backend='gloo' or a smaller world_size")
-    return backend
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in 0..65535 (0 lets the OS pick), got {port!r}")
+    return resolve_placement(world_size, device, backend)
 
 
 # ----------------------------------------------------------------------------------------------------
 # torchrun: this process is one rank; run fn for it and share results so every rank returns the list.
 
 
-def _run_under_torchrun(fn: Callable[..., Any], world_size: int, backend: str, timeout: float,
+def _run_under_torchrun(fn: Callable[..., Any], world_size: int, placement: Placement, timeout: float,
                         on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict) -> RankResults:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
@@ -138,12 +233,11 @@ def _run_under_torchrun(fn: Callable[..., Any], world_size: int, backend: str, t
                          f"pass world_size={env_world} or change --nproc-per-node")
     rank = int(os.environ["RANK"])
     _Reporter.send = (lambda obj: on_report(rank, obj)) if on_report is not None else None
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
+    _bind_device(placement.device, int(os.environ.get("LOCAL_RANK", 0)))
     os.environ[_TIMEOUT_ENV] = str(timeout)
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(backend, init_method="env://",
+        dist.init_process_group(placement.backend, init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout))
     try:
         with trace.tracing(rank=rank, world_size=world_size) as tracer:
@@ -168,18 +262,17 @@ def _context() -> Any:
     return ctx
 
 
-def _spawn_and_run(fn: Callable[..., Any], world_size: int, backend: str, timeout: float,
+def _spawn_and_run(fn: Callable[..., Any], world_size: int, placement: Placement, timeout: float, port: int,
                    on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict) -> RankResults:
     ctx = _context()
     payload = cloudpickle.dumps((fn, args, kwargs))
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    store = _host_store(port, world_size, timeout)
     messages = ctx.Queue()
     procs = []
     try:
         for rank in range(world_size):
             p = ctx.Process(target=_rank_main, name=f"workbench-rank{rank}", daemon=True,
-                            args=(rank, world_size, store.port, backend, timeout, payload, messages,
+                            args=(rank, world_size, store.port, placement, timeout, payload, messages,
                                   os.getpid(), on_report is not None))
             p.start()
             procs.append(p)
@@ -189,6 +282,19 @@ def _spawn_and_run(fn: Callable[..., Any], world_size: int, backend: str, timeou
         messages.close()
         messages.join_thread()
         del store
+
+
+def _host_store(port: int, world_size: int, timeout: float) -> Any:
+    """The rendezvous store, hosted here; a port already taken is a clear ValueError, not a C++ trace."""
+    try:
+        return dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        text = str(exc)
+        if port and ("EADDRINUSE" in text or "in use" in text or f"code: -{errno.EADDRINUSE}" in text):
+            raise ValueError(f"rendezvous port {port} on 127.0.0.1 is already in use (another run or server "
+                             f"holds it); pass port=0 (--port 0) to let the OS pick a free one") from None
+        raise
 
 
 def _supervise(procs: list[Any], messages: Any, timeout: float,
@@ -327,7 +433,7 @@ def _stop_all(procs: list[Any]) -> None:
 # Inside a rank process.
 
 
-def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout: float, payload: bytes,
+def _rank_main(rank: int, world_size: int, port: int, placement: Placement, timeout: float, payload: bytes,
                messages: Any, parent_pid: int, listens: bool) -> None:
     pumps = _redirect_output(rank, messages)
     _Reporter.send = (lambda obj: messages.put(("report", rank, obj))) if listens else None
@@ -337,7 +443,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, timeout: flo
     ok = False
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
-        _init_process_group(rank, world_size, port, backend, timeout)
+        _init_process_group(rank, world_size, port, placement, timeout)
         with trace.tracing(rank=rank, world_size=world_size) as tracer:
             result = fn(*args, **kwargs)
         messages.put(("ok", rank, cloudpickle.dumps((result, tracer.trace))))
@@ -366,15 +472,21 @@ def _set_rank_env(rank: int, world_size: int, port: int) -> None:
                        "MASTER_PORT": str(port)})
 
 
-def _init_process_group(rank: int, world_size: int, port: int, backend: str, timeout: float) -> None:
+def _bind_device(device: str, local_rank: int) -> None:
+    """Make ``cuda:local_rank`` current (so NCCL and every ``rank_device()`` tensor use it) or stay on CPU."""
+    os.environ[_RANK_DEVICE_ENV] = device
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+
+
+def _init_process_group(rank: int, world_size: int, port: int, placement: Placement, timeout: float) -> None:
     td = datetime.timedelta(seconds=timeout)
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    else:
+    _bind_device(placement.device, rank)  # spawned ranks all live on this node: local rank = rank
+    if placement.device == "cpu":
         # N ranks share the machine's cores: one rank per core-share avoids oversubscription.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=td)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+    dist.init_process_group(placement.backend, store=store, rank=rank, world_size=world_size, timeout=td)
 
 
 def _redirect_output(rank: int, messages: Any) -> list[threading.Thread]:

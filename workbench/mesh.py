@@ -19,9 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from workbench.launch import group_timeout
+from workbench.launch import group_timeout, rank_device
 
 #: Axes from slowest- to fastest-varying rank index.
 AXES = ("pp", "dp", "cp", "tp")
@@ -104,6 +105,8 @@ class Mesh:
         self.rank = 0 if rank is None else rank
         self.world_size = world_size
         self.coords = self.shape.coords(self.rank)
+        #: Where this rank's tensors are born: ``cuda:LOCAL_RANK`` under NCCL, else the CPU.
+        self.device: torch.device = rank_device()
         self._groups: dict[str, Any] = {axis: None for axis in AXES}
         if distributed:
             self._build_groups()
@@ -120,7 +123,7 @@ class Mesh:
         return " x ".join(f"{axis}={getattr(self.shape, axis)}" for axis in AXES)
 
     def __repr__(self) -> str:
-        return f"Mesh({self.describe()}, rank={self.rank}, coords={self.coords})"
+        return f"Mesh({self.describe()}, rank={self.rank}, coords={self.coords}, device={self.device})"
 
     def size(self, axis: str) -> int:
         _check_axis(axis)

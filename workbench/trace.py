@@ -106,6 +106,26 @@ def _check_category(category: str) -> None:
 
 
 @dataclass
+class DeviceMemory:
+    """The CUDA caching allocator's own count, taken at the moment the ledger is complete (after the
+    optimizer step, before ``zero_grad``), to check the ledger's categories against real bytes.
+
+    ``allocated`` is ``torch.cuda.memory_allocated`` then, beside ``ledger_total`` (the ledger's sum then);
+    ``peak_allocated`` is ``max_memory_allocated`` over the run, beside the ledger's ``ledger_peak``. The
+    allocator counts more than the ledger's categories (temporaries such as matmul outputs and autograd
+    intermediates, cuBLAS workspaces, rounding of each block to 512 bytes) and less than ``nvidia-smi``
+    shows (the CUDA context and the allocator's cached free blocks are not "allocated").
+    """
+
+    device: str
+    allocated: int
+    peak_allocated: int
+    reserved: int
+    ledger_total: int
+    ledger_peak: int
+
+
+@dataclass
 class Trace:
     """Everything one rank recorded. Plain data: pickles and turns into JSON via ``to_dict``."""
 
@@ -115,6 +135,7 @@ class Trace:
     comms: list[CommEvent] = field(default_factory=list)
     memory: MemoryLedger = field(default_factory=MemoryLedger)
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    device_memory: DeviceMemory | None = None  # only on CUDA, where an allocator can be asked
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,6 +149,7 @@ class Trace:
             comms=[CommEvent(**{**c, "shape": tuple(c["shape"]), "group": tuple(c["group"])})
                    for c in d.get("comms", [])],
             memory=MemoryLedger(**d.get("memory", {})),
+            device_memory=DeviceMemory(**d["device_memory"]) if d.get("device_memory") else None,
             metrics=list(d.get("metrics", [])),
         )
 
@@ -255,6 +277,20 @@ def ledger_set(category: str, nbytes: int) -> None:
     tracer = current()
     if tracer is not None:
         tracer.memory.set(category, nbytes)
+
+
+def record_device_memory(device: Any) -> None:
+    """On a CUDA device, store the allocator's figures beside the ledger's (see ``DeviceMemory``)."""
+    tracer = current()
+    if tracer is None or getattr(device, "type", str(device)) != "cuda":
+        return
+    import torch
+
+    ledger = tracer.memory
+    tracer.trace.device_memory = DeviceMemory(
+        device=str(device), allocated=torch.cuda.memory_allocated(device),
+        peak_allocated=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
+        ledger_total=ledger.total(), ledger_peak=ledger.peak_total)
 
 
 def ledger_add(category: str, delta: int) -> None:

@@ -14,12 +14,13 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from workbench import comm, trace
-from workbench.data import ShardedSampler, make_lm_data
+from workbench.data import ShardedSampler, corpus_tokens, make_lm_data
 from workbench.launch import report
 from workbench.mesh import Mesh
 from workbench.models import PRESETS, GPTConfig, build_gpt
@@ -50,6 +51,9 @@ class RunConfig:
     data: str | None = None
     timeout: float = 120.0
     trace_steps: int = 5
+    device: str | None = None  # auto / cpu / cuda (None: $WORKBENCH_DEVICE or auto); see launch.resolve_placement
+    backend: str | None = None  # gloo / nccl (None: follows the device)
+    port: int = 0  # rendezvous port on 127.0.0.1 (0: the OS picks)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,8 +86,30 @@ class RunConfig:
             raise ValueError("offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.clip is not None and self.clip <= 0:
+        if self.clip is not None and not self.clip > 0:
             raise ValueError(f"clip must be > 0 (or None to disable), got {self.clip}")
+        _positive_finite("lr", self.lr)
+        _positive_finite("timeout", self.timeout)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 (steps of linear warm-up), got {self.warmup!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.seq_len is not None:
+            _positive_int("seq_len", self.seq_len)
+        self._validate_data()
+
+    def _validate_data(self) -> None:
+        """The corpus must hold at least one global batch of windows, checked here rather than in a rank."""
+        if self.data is not None and not Path(self.data).is_file():
+            raise ValueError(f"data file not found: {self.data!r}; pass an existing text file or leave --data out "
+                             f"to use the bundled corpus")
+        n_tokens = corpus_tokens(self.data)
+        seq_len = self.gpt_config().seq_len
+        windows = (n_tokens - 1) // seq_len
+        if windows < self.batch_size:
+            longest = (n_tokens - 1) // self.batch_size
+            raise ValueError(f"seq_len={seq_len} leaves {windows} window(s) of the {n_tokens}-token corpus, fewer "
+                             f"than batch_size={self.batch_size}; use seq_len <= {longest} or a smaller batch size")
 
     def gpt_config(self) -> GPTConfig:
         overrides = {"seq_len": self.seq_len} if self.seq_len else {}
@@ -96,6 +122,11 @@ class RunConfig:
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _positive_finite(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:
@@ -122,11 +153,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None) -> None:
         self.cfg = cfg
         self.mesh = mesh or Mesh(dp=cfg.dp)
+        self.device = self.mesh.device
         model_cfg = cfg.gpt_config()
-        self.dataset = make_lm_data(model_cfg.seq_len, cfg.data)
+        self.dataset = make_lm_data(model_cfg.seq_len, cfg.data)  # host memory; each batch moves to the device
         self.sampler = ShardedSampler(len(self.dataset), cfg.batch_size, self.mesh.dp_rank, self.mesh.dp_size,
                                       seed=cfg.seed)
-        model = build_gpt(model_cfg, seed=cfg.seed)
+        model = build_gpt(model_cfg, seed=cfg.seed, device=self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.strategy = parallelize(model, self.mesh, ParallelConfig(
             ddp=cfg.ddp, bucket_mb=cfg.bucket_mb, zero=cfg.zero, offload=cfg.offload, lr=cfg.lr,
@@ -145,8 +177,8 @@ class Trainer:
         for group in s.optimizer.param_groups:
             group["lr"] = lr
         with trace.span("data", "data"):
-            x, y = self.dataset.get(self.sampler.indices(self.step_index))
-        local_loss = torch.zeros(())
+            x, y = self.dataset.get(self.sampler.indices(self.step_index), device=self.device)
+        local_loss = torch.zeros((), device=self.device)
         for micro, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True)):
             last = micro == cfg.grad_accum - 1
             with s.no_sync() if not last else nullcontext():
@@ -157,6 +189,7 @@ class Trainer:
             grad_norm = s.clip_grad_norm(cfg.clip if cfg.clip is not None else math.inf)
             s.optimizer.step()
         s.record_memory()  # before zero_grad: gradients and optimizer state are both alive here
+        trace.record_device_memory(self.device)
         s.optimizer.zero_grad(set_to_none=True)
         loss = local_loss.clone()
         comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="metrics")
@@ -189,7 +222,14 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
         history.append(metrics)
         report(metrics)
     full = trainer.strategy.full_parameters()
+    backend = torch.distributed.get_backend() if comm.is_distributed() else "none"
     return {"history": history, "n_params": trainer.n_params, "strategy": trainer.strategy.describe,
             "final_params_sha256": params_sha256(full) if comm.group_rank() == 0 else None,
-            "final_params": {k: v.detach().clone() for k, v in full.items()} if cfg.extra.get("return_params")
+            "placement": {"backend": backend, "device": str(trainer.device),
+                          "device_name": _device_name(trainer.device)},
+            "final_params": {k: v.detach().cpu().clone() for k, v in full.items()} if cfg.extra.get("return_params")
             else None}
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

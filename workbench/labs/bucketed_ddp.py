@@ -50,7 +50,8 @@ class BucketedDDPScaffold(nn.Module):
         self.world_size = comm.group_size(group)
         params = [p for p in module.parameters() if p.requires_grad]  # tied weights once, frozen skipped
         self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
-        self.bucket_buffers = [torch.zeros(sum(p.numel() for p in b)) for b in self.buckets]
+        self.bucket_buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                               for b in self.buckets]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._slots = {id(p): view.view_as(p) for b, buf in zip(self.buckets, self.bucket_buffers, strict=True)
                        for p, view in zip(b, buf.split([p.numel() for p in b]), strict=True)}

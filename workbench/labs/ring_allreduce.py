@@ -20,24 +20,26 @@ CASES = ((2, (11, 1001)), (3, (10, 1000)))
 POINT_TO_POINT = ("send", "recv")
 
 
-def case_input(rank: int, numel: int) -> torch.Tensor:
-    """Rank ``rank``'s input: small random integers in float32, so every sum is exact and distinctive."""
-    g = torch.Generator().manual_seed(7919 * rank + numel)
-    return torch.randint(-50, 51, (numel,), generator=g).to(torch.float32)
+def case_input(rank: int, numel: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Rank ``rank``'s input on ``device``: small random integers in float32, so every sum is exact and
+    distinctive (drawn on the CPU's generator, the same on every machine)."""
+    g = torch.Generator(device="cpu").manual_seed(7919 * rank + numel)
+    return torch.randint(-50, 51, (numel,), generator=g, device="cpu").to(device=device, dtype=torch.float32)
 
 
 def _on_rank(fn: Callable[..., Any], sizes: tuple[int, ...]) -> list[dict[str, Any]]:
     """Run the learner's function once per size on this rank; return tensors and this call's messages."""
     from workbench import comm, trace
+    from workbench.launch import rank_device
 
     out = []
     for numel in sizes:
-        tensor = case_input(comm.group_rank(), numel)
+        tensor = case_input(comm.group_rank(), numel, rank_device())
         start = len(trace.current().trace.comms)
         returned = fn(tensor, None)
         events = trace.current().trace.comms[start:]
-        out.append({"result": tensor.clone(),
-                    "returned": returned.detach().clone() if isinstance(returned, torch.Tensor) else None,
+        out.append({"result": tensor.cpu().clone(),
+                    "returned": returned.detach().cpu().clone() if isinstance(returned, torch.Tensor) else None,
                     "ops": [(e.op, e.nbytes, e.tag) for e in events]})
     return out
 

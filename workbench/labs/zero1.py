@@ -56,7 +56,8 @@ class ShardedOptimizerScaffold:
         _validate_owners(self.owners, len(self.params), self.world_size)
         mine = [p for p, owner in zip(self.params, self.owners, strict=True) if owner == self.rank]
         # A rank may own nothing (more ranks than parameters): give the inner optimizer an empty group.
-        self.optimizer = optimizer_cls(mine or [torch.zeros(0, requires_grad=True)], **optimizer_kwargs)
+        placeholder = [torch.zeros(0, requires_grad=True, device=self.params[0].device if self.params else "cpu")]
+        self.optimizer = optimizer_cls(mine or placeholder, **optimizer_kwargs)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

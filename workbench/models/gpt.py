@@ -164,13 +164,14 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def build_gpt(cfg: GPTConfig, seed: int = 0) -> GPT:
-    """Build a GPT on CPU in fp32 with parameters fixed by `seed` alone.
+def build_gpt(cfg: GPTConfig, seed: int = 0, device: str | torch.device = "cpu") -> GPT:
+    """Build a GPT in fp32 on `device` with parameters fixed by `seed` alone.
 
     Every rank calls this with the same seed and gets the same weights, so no initial broadcast is
-    needed. fork_rng restores the caller's global RNG afterwards, so building a model never changes
-    the data order or dropout masks of the code around it.
+    needed. The weights are drawn on the CPU's generator and then moved, so a GPU rank starts from exactly
+    the weights a CPU rank does. fork_rng restores the caller's global RNG afterwards, so building a model
+    never changes the data order or dropout masks of the code around it.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return GPT(cfg).to(device="cpu", dtype=torch.float32)
+        return GPT(cfg).to(device=device, dtype=torch.float32)

@@ -23,7 +23,8 @@ class ToyMLP(nn.Module):
                 raise ValueError(f"ToyMLP: {name} must be a positive int, got {value}")
         self.inp = nn.Linear(d_in, d_hidden)
         # A fixed per-channel gain: a buffer, so it is in state_dict() but not in parameters().
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, d_hidden))
+        # Built on the CPU like every parameter here; build_mlp moves the whole module to the rank's device.
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d_hidden, device="cpu"))
         self.frozen_proj = nn.Linear(d_hidden, d_hidden)
         self.frozen_proj.requires_grad_(False)
         self.layers = nn.ModuleList(
@@ -47,29 +48,32 @@ class ToyMLP(nn.Module):
         return y if targets is None else F.mse_loss(y, targets)
 
 
-def build_mlp(seed: int = 0, **kwargs) -> ToyMLP:
-    """Build a ToyMLP whose parameters depend only on `seed`, leaving the caller's global RNG untouched."""
+def build_mlp(seed: int = 0, device: str | torch.device = "cpu", **kwargs) -> ToyMLP:
+    """Build a ToyMLP whose parameters depend only on `seed` (drawn on the CPU, then moved to `device`),
+    leaving the caller's global RNG untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return ToyMLP(**kwargs).to(device="cpu", dtype=torch.float32)
+        return ToyMLP(**kwargs).to(device=device, dtype=torch.float32)
 
 
 def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+    # The CPU generator: the same numbers on every machine, whatever device the batch then moves to.
+    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 def regression_batch(
-    batch_size: int, d_in: int = 16, seed: int = 0, step: int = 0
+    batch_size: int, d_in: int = 16, seed: int = 0, step: int = 0, device: str | torch.device = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (x, y) batch for (seed, step): the same on every rank and every run, so a data-parallel run
-    can be compared with a single-process one on exactly the same global batch.
+    """The (x, y) batch for (seed, step) on `device`: the same on every rank and every run, so a
+    data-parallel run can be compared with a single-process one on exactly the same global batch.
 
     y = sin(x @ W) + 0.01 * noise, with W fixed for a given d_in (independent of seed and step), so
     every batch samples the same learnable function.
     """
-    w = torch.randn(d_in, d_in, generator=_generator(12345 + d_in)) / d_in**0.5
+    w = torch.randn(d_in, d_in, generator=_generator(12345 + d_in), device="cpu") / d_in**0.5
     # Mix seed and step into one 64-bit seed; distinct for step < 1_000_003.
     g = _generator((seed * 1_000_003 + step) % 2**63)
-    x = torch.randn(batch_size, d_in, generator=g)
-    noise = torch.randn(batch_size, d_in, generator=g)
-    return x, torch.sin(x @ w) + 0.01 * noise
+    x = torch.randn(batch_size, d_in, generator=g, device="cpu")
+    noise = torch.randn(batch_size, d_in, generator=g, device="cpu")
+    y = torch.sin(x @ w) + 0.01 * noise
+    return x.to(device), y.to(device)

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from workbench import comm, trace
+from workbench.launch import rank_device
 
 DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
 _MB = 2**20
@@ -88,6 +89,9 @@ class _DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.world_size = comm.group_size(group)
+        # Buffers are born where the model lives (the rank's device), so the same code runs on gloo CPU
+        # ranks and NCCL GPUs.
+        self.device = next((t.device for t in module.parameters()), rank_device())
         self.find_unused_parameters = bool(find_unused_parameters)
         # module.parameters() yields a tied Parameter once; frozen ones need no gradient sync.
         self._grad_params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
@@ -145,7 +149,7 @@ class _DataParallel(nn.Module):
         trace.ledger_set("gradients", trace.tensor_bytes(p.grad for p in self._grad_params if p.grad is not None))
 
     def _drop_globally_unused(self, used: list[bool]) -> None:
-        counts = torch.tensor(used, dtype=torch.float32)
+        counts = torch.tensor(used, dtype=torch.float32, device=self.device)
         comm.all_reduce(counts, "sum", group=self.group, tag="grad_used")
         for p, n in zip(self._grad_params, counts.tolist(), strict=True):
             if n == 0:
@@ -187,7 +191,7 @@ class FlatDDP(_DataParallel):
             raise ValueError(f"FlatDDP needs one gradient dtype, got {sorted(map(str, dtypes))}; "
                              f"use BucketedDDP, which starts a new bucket at each dtype change")
         dtype = dtypes.pop() if dtypes else torch.float32
-        self._flat = torch.zeros(sum(p.numel() for p in self._grad_params), dtype=dtype)
+        self._flat = torch.zeros(sum(p.numel() for p in self._grad_params), dtype=dtype, device=self.device)
         trace.ledger_set("comm_buffers", trace.tensor_bytes([self._flat]))
 
     def _synchronize(self) -> None:
@@ -318,7 +322,8 @@ class BucketedDDP(_HookedDDP):
         self.bucket_mb = float(bucket_mb)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         super().__init__(module, group, find_unused_parameters)
-        self._bucket_buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype) for b in self._units]
+        self._bucket_buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                                for b in self._units]
         self._slot: dict[int, torch.Tensor] = {}
         for bucket, buffer in zip(self._units, self._bucket_buffers, strict=True):
             for p, view in zip(bucket, buffer.split([p.numel() for p in bucket]), strict=True):

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workbench import comm, trace
+from workbench.launch import rank_device
 
 VALID_STAGES = (0, 1, 2, 3)
 DEFAULT_BUCKET_MB = 25.0
@@ -265,6 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.group, self.stage, self.offload = group, stage, offload
         self.reduce_grads = reduce_grads or stage == 2
         self.offload_device = torch.device(offload_device)
+        self.comm_device = rank_device()  # where scalars this optimizer communicates are born
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         groups = _param_groups(params)
         _check_stage_matches_params(stage, groups)
@@ -481,7 +483,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for t in self._sharded:
                 if id(t) in self._masters:
                     master = self._masters[id(t)]
-                    master.grad = None if t.grad is None else t.grad.to(self.offload_device, copy=True)
+                    master.grad = None if t.grad is None else _offload_copy(t.grad, self.offload_device)
             return
         if bucket is None:
             for b in self.buckets:
@@ -491,7 +493,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grad = bucket.shard.grad = bucket.shard_grad
         master = self._masters.get(id(bucket.shard))
         if master is not None:
-            grad = master.grad = None if grad is None else grad.to(self.offload_device, copy=True)
+            grad = master.grad = None if grad is None else _offload_copy(grad, self.offload_device)
         pieces = [None] * len(bucket.chunks) if grad is None else grad.split([c.numel() for c in bucket.chunks])
         for c, g in zip(bucket.chunks, pieces, strict=True):
             c.grad = g
@@ -514,25 +516,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.finish_gradient_synchronization()
         grads = self._owned_grads()
         sharded = self.stage >= 1 and self.world > 1
+        # Offloaded shards' gradients live on the CPU; the partial norm travels on the rank's device.
+        none = torch.zeros((), dtype=torch.float64, device=self.comm_device)
         if norm_type == 2.0:
-            local = torch.stack([g.double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((),
-                                                                                                      dtype=torch.float64)
+            local = torch.stack([g.double().pow(2).sum().to(self.comm_device) for g in grads]).sum() if grads else none
             if sharded:
                 comm.all_reduce(local, op="sum", group=self.group, tag="clip")
             total = local.sqrt()
         else:
-            local = torch.stack([g.abs().max().double() for g in grads]).max() if grads else torch.zeros((),
-                                                                                                        dtype=torch.float64)
+            local = torch.stack([g.abs().max().double().to(self.comm_device) for g in grads]).max() if grads else none
             if sharded:
                 comm.all_reduce(local, op="max", group=self.group, tag="clip")
             total = local
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if self.stage == 3:
             for g in grads:
-                g.mul_(coef.to(g.dtype))
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
         for b in self.buckets:
             if b.shard_grad is not None:  # a view of the model's .grad is scaled out of place: .grad stays put
-                c = coef.to(b.shard_grad.dtype)
+                c = coef.to(device=b.shard_grad.device, dtype=b.shard_grad.dtype)
                 b.shard_grad = b.shard_grad.mul(c) if b.shard_grad_is_view else b.shard_grad.mul_(c)
                 b.shard_grad_is_view = False
         return total.float()
@@ -564,7 +566,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         that already live there (``FullyShardedModel(offload_params=True)``) are stepped in place."""
         if not self.offload:
             return {}
-        return {id(t): t.detach().to(self.offload_device, copy=True) for t in self._sharded
+        return {id(t): _offload_copy(t.detach(), self.offload_device) for t in self._sharded
                 if not getattr(t, "_zero_offloaded", False)}
 
     # -- memory ------------------------------------------------------------------------------------------
@@ -591,6 +593,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def shard_numel(self) -> int:
         """Elements of parameters this rank steps (its shard, padding included)."""
         return sum(t.numel() for t in self._sharded)
+
+
+def _offload_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``t`` on the offload device. Host memory that backs a GPU is pinned (page-locked), so the
+    PCIe copies run by DMA at full speed instead of through a pageable bounce buffer (ZeRO-Offload, Ren et
+    al. 2021, section 4). The copy is blocking: the CPU optimizer reads it right away."""
+    pin = t.is_cuda and device.type == "cpu"
+    out = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+    return out.copy_(t)
 
 
 def _step_chunks(t: torch.Tensor) -> list[torch.Tensor]:
@@ -641,7 +652,7 @@ class _Unit:
                          + [params[0].new_zeros(self.split_sizes[-1])])
         shard = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone()
         self.offloaded = offload_device is not None
-        self.shard = nn.Parameter(shard.to(offload_device, copy=True) if self.offloaded else shard)
+        self.shard = nn.Parameter(_offload_copy(shard, torch.device(offload_device)) if self.offloaded else shard)
         self.shard._zero_shard = True
         self.shard._zero_offloaded = self.offloaded
         self.full: torch.Tensor | None = None
@@ -853,7 +864,7 @@ class FullyShardedModel(nn.Module):
         shard_grad = torch.empty(unit.shard_numel, dtype=grad_full.dtype, device=grad_full.device)
         comm.reduce_scatter(shard_grad, grad_full.contiguous(), op="avg", group=self.group, tag="grad")
         _record_span(f"backward {unit.name}", "backward", unit.t0)
-        return shard_grad.to(unit.shard.device, copy=True) if unit.offloaded else shard_grad
+        return _offload_copy(shard_grad, unit.shard.device) if unit.offloaded else shard_grad
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

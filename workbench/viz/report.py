@@ -57,13 +57,55 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
              f"({summary['n_params']:,} parameters), {len(history)} steps, final loss "
              f"{summary['losses'][-1]:.4f}, median {summary['tokens_per_s']:.0f} tokens/s.</p>",
              f"<p>final_params_sha256: <code>{summary['final_params_sha256']}</code></p>"]
+    if summary.get("placement"):
+        where = summary["placement"]
+        parts.append(f"<p>ranks ran on {html.escape(where['device_name'])} ({html.escape(where['device'])} on rank 0, "
+                     f"backend {html.escape(where['backend'])}).</p>")
     for i, fig in enumerate(figures):
         parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
     parts.append(f"<h2>communication in step {last_traced} (from the log)</h2>")
     parts.append(_table(comm_table(traces, step=last_traced)))
+    parts += memory_section([_trace(t) for t in traces])
     path.write_text("<html><head><meta charset='utf-8'><title>workbench report</title></head><body>"
                     + "\n".join(parts) + "</body></html>")
     return path
+
+
+_MIB = 2**20
+
+_ALLOCATOR_GAP = (
+    "The ledger counts the categories theory predicts (parameters, gradients, optimizer state, saved "
+    "activations, communication buffers, gathered shards), attributed by the code that owns them. The CUDA "
+    "allocator counts every live tensor: also temporaries (matmul outputs, autograd intermediates, the "
+    "optimizer's scratch tensors) and each block's rounding to 512 bytes, so its figures are the larger; at "
+    "its peak, forward's temporaries and the optimizer's scratch add to what the ledger's peak holds. Neither "
+    "counts the CUDA context or the allocator's cached free blocks, which nvidia-smi shows.")
+
+
+def memory_rows(traces: Sequence[Trace]) -> list[dict[str, Any]]:
+    """Per rank: the ledger's bytes by category (MiB) at the last record, its peak, and the allocator's."""
+    rows = []
+    for t in traces:
+        row: dict[str, Any] = {"rank": t.rank}
+        row.update({f"{k} (MiB)": v / _MIB for k, v in t.memory.current.items()})
+        row["ledger peak (MiB)"] = t.memory.peak_total / _MIB
+        if t.device_memory is not None:
+            dm = t.device_memory
+            row["allocator now (MiB)"] = dm.allocated / _MIB
+            row["allocator - ledger now (MiB)"] = (dm.allocated - dm.ledger_total) / _MIB
+            row["allocator peak (MiB)"] = dm.peak_allocated / _MIB
+        rows.append(row)
+    return rows
+
+
+def memory_section(traces: Sequence[Trace]) -> list[str]:
+    """HTML: the ledger's theory-shaped breakdown per rank and, on CUDA, the allocator's figures and the gap."""
+    on_cuda = any(t.device_memory is not None for t in traces)
+    where = "measured on CUDA: ledger beside the allocator" if on_cuda else "the ledger (CPU: no allocator to ask)"
+    parts = [f"<h2>memory per rank ({where})</h2>", _table(memory_rows(traces))]
+    if on_cuda:
+        parts.append(f"<p>{html.escape(_ALLOCATOR_GAP)}</p>")
+    return parts
 
 
 def _trace(t: Trace | dict) -> Trace:
