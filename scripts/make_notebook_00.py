@@ -18,6 +18,14 @@ code("""# Parameters (papermill can override these)
 WORLD_SIZE = 4
 CHUNK = 2          # elements per rank in the reduce-scatter / all-gather examples
 TIMEOUT_S = 30.0   # every collective gives up after this long instead of hanging""", metadata={"tags": ["parameters"]}),
+md("""## What do I have?
+
+Before starting any ranks, see what this machine offers: the torch build and its backends, the GPUs, the
+cores, the memory, and how many ranks make sense on each backend. `WORLD_SIZE` in the parameters cell is the
+number of ranks every `launch` below starts: it runs on NCCL only when at least `WORLD_SIZE` GPUs are
+visible, otherwise on gloo, where up to the recommended number each rank has a core of its own (the default
+4 still runs on fewer cores, the ranks just take turns) and the memory ceiling is the hard limit."""),
+code("""from workbench.environment import describe_environment, format_environment; print(format_environment(describe_environment()))"""),
 md("""## 1. Ranks are processes
 
 `workbench.launch(fn, world_size)` starts `world_size` processes (the **ranks**), connects them into one

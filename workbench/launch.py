@@ -154,6 +154,14 @@ def _require_gpus(ranks: int, gpus: int, nccl: bool, asked: str) -> None:
                          f"or less, or device='cpu' (gloo on the CPU)")
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (a container's CPU set or taskset may allow fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def default_backend(world_size: int = 1) -> str:
     """The backend ``launch`` picks for ``world_size`` ranks: NCCL with one GPU per rank, else gloo."""
     return resolve_placement(world_size).backend
@@ -484,7 +492,7 @@ def _init_process_group(rank: int, world_size: int, port: int, placement: Placem
     _bind_device(placement.device, rank)  # spawned ranks all live on this node: local rank = rank
     if placement.device == "cpu":
         # N ranks share the machine's cores: one rank per core-share avoids oversubscription.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, usable_cores() // world_size))
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=td)
     dist.init_process_group(placement.backend, store=store, rank=rank, world_size=world_size, timeout=td)
 
