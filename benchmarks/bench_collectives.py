@@ -22,6 +22,8 @@ from workbench import launch
 from workbench.parallel.collectives import DEFAULT_SEGMENT_BYTES, ring_all_reduce
 
 WORLD_SIZE = 2
+#: Measured on the CPU (gloo) only so far; run.py skips this module under --device cuda.
+DEVICES = ("cpu",)
 SIZES = {"64MiB": 64 << 20, "1MiB": 1 << 20}
 #: Timed reps per size (quick, full): small messages are cheap and noisier, so they get more.
 REPS = {"64MiB": (7, 21), "1MiB": (50, 200)}

@@ -25,6 +25,8 @@ import time
 from typing import Any
 
 WORLD_SIZE = 2
+#: Measured on the CPU (gloo) only so far; run.py skips this module under --device cuda.
+DEVICES = ("cpu",)
 LOCAL_BATCH = 1
 SEQ_LEN = 128
 LR = 1e-4
