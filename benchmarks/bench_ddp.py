@@ -1,4 +1,5 @@
-"""BucketedDDP against torch DistributedDataParallel: step time on 2 gloo ranks, side by side in one run.
+"""BucketedDDP against torch DistributedDataParallel: step time on 2 gloo ranks (or, with ``--device cuda``,
+on up to 2 GPUs with NCCL, one rank each), side by side in one run.
 
 Regime (BENCHMARKS.md, "pick a regime where the thing measured matters"): the 10.8 M-parameter "bench" GPT
 with ONE 128-token sequence per rank, so the 43 MB gradient all-reduce is a large share of the step instead
@@ -16,8 +17,9 @@ import time
 from typing import Any
 
 WORLD_SIZE = 2
-#: Measured on the CPU (gloo) only so far; run.py skips this module under --device cuda.
-DEVICES = ("cpu",)
+#: gloo on the CPU, or NCCL with one GPU per rank (min(2, GPUs) ranks: with one GPU the row measures the
+#: wrappers' own overhead, since a group of one moves nothing).
+DEVICES = ("cpu", "cuda")
 LOCAL_BATCH = 1
 SEQ_LEN = 128
 BUCKET_MB = 25.0
@@ -31,22 +33,30 @@ def _rank(steps: int, warmup: int) -> dict[str, list[float]]:
     import torch.distributed as dist
 
     from workbench import comm
+    from workbench.launch import rank_device
     from workbench.models import GPTConfig, build_gpt
     from workbench.parallel.ddp import BucketedDDP
 
-    torch.set_num_threads(1)
+    device = rank_device()
+    cuda = device.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
     rank = dist.get_rank()
     cfg = GPTConfig.preset("bench", seq_len=SEQ_LEN)
-    wrapped = {"ours": BucketedDDP(build_gpt(cfg, seed=0), bucket_mb=BUCKET_MB),
-               "torch": torch.nn.parallel.DistributedDataParallel(build_gpt(cfg, seed=0), bucket_cap_mb=BUCKET_MB)}
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(build_gpt(cfg, seed=0, device=device),
+                                                          device_ids=[device.index] if cuda else None,
+                                                          bucket_cap_mb=BUCKET_MB)
+    wrapped = {"ours": BucketedDDP(build_gpt(cfg, seed=0, device=device), bucket_mb=BUCKET_MB), "torch": torch_ddp}
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in wrapped.items()}
-    g = torch.Generator().manual_seed(1000 + rank)
+    g = torch.Generator(device="cpu").manual_seed(1000 + rank)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # time the GPU's work, not its queueing
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
     for step in range(warmup + steps):
-        x = torch.randint(0, cfg.vocab_size, (LOCAL_BATCH, SEQ_LEN + 1), generator=g)
+        x = torch.randint(0, cfg.vocab_size, (LOCAL_BATCH, SEQ_LEN + 1), generator=g, device="cpu").to(device)
         for config in CONFIGS:
             kind = config.split("_")[0]
             ddp, opt = wrapped[kind], optimizers[kind]
+            sync()
             comm.barrier()
             t0 = time.perf_counter()
             opt.zero_grad()
@@ -55,6 +65,7 @@ def _rank(steps: int, warmup: int) -> dict[str, list[float]]:
             if kind == "ours":
                 ddp.finish_gradient_synchronization()
             opt.step()
+            sync()
             if step >= warmup:
                 times[config].append(time.perf_counter() - t0)
     return times
@@ -65,10 +76,16 @@ def _slowest_rank_steps(results: list[dict[str, list[float]]], config: str) -> l
 
 
 def rows(quick: bool) -> list[dict[str, Any]]:
+    import os
+
+    import torch
+
     from workbench import launch
 
     steps, warmup = (5, 2) if quick else (15, 3)
-    results = launch(_rank, WORLD_SIZE, steps, warmup, timeout=300)
+    cuda = os.environ.get("WORKBENCH_DEVICE") == "cuda"
+    world = min(WORLD_SIZE, torch.cuda.device_count()) if cuda else WORLD_SIZE
+    results = launch(_rank, world, steps, warmup, device="cuda" if cuda else "cpu", timeout=300)
     per_step = {c: _slowest_rank_steps(results, c) for c in CONFIGS}
     median = {c: statistics.median(v) for c, v in per_step.items()}
     ours, ref = median["ours"], median["torch"]
@@ -81,8 +98,9 @@ def rows(quick: bool) -> list[dict[str, Any]]:
         "config": {
             "lower_is_better": True,
             "model": "GPT bench (6 layers, d=384, 10.8 M params)",
-            "world_size": WORLD_SIZE, "backend": "gloo", "per_rank_batch": LOCAL_BATCH, "seq_len": SEQ_LEN,
-            "bucket_mb": BUCKET_MB, "optimizer": "AdamW", "threads_per_rank": 1,
+            "world_size": world, "backend": "nccl" if cuda else "gloo", "per_rank_batch": LOCAL_BATCH,
+            "seq_len": SEQ_LEN, "bucket_mb": BUCKET_MB, "optimizer": "AdamW",
+            "threads_per_rank": None if cuda else 1,
             "steps_measured": steps, "warmup": warmup, "statistic": "median of slowest rank per step",
             "spread_ours_s": [min(per_step["ours"]), max(per_step["ours"])],
             "spread_torch_s": [min(per_step["torch"]), max(per_step["torch"])],
