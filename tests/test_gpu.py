@@ -108,3 +108,19 @@ def test_zero3_offload_keeps_shards_in_pinned_host_memory() -> None:
 
     on_host, pinned = launch(probe, 1, device="cuda", timeout=120)[0]
     assert on_host and pinned
+
+
+def test_benchmark_rows_run_on_cuda(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    runner = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(runner), "--device", "cuda", "--quick", "--only", "ddp", "--json",
+                           str(out)], capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["status"] == "ok" and row["config"]["backend"] == "nccl"
+    assert row["ours"] > 0 and row["reference"] > 0
