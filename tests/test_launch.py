@@ -155,3 +155,15 @@ def test_unpicklable_result_is_reported() -> None:
 
     with pytest.raises(RankError, match="(?i)pickle"):
         launch(returns_lock, 2)
+
+
+def test_a_script_read_from_stdin_can_launch() -> None:
+    """``python - <<EOF`` gives ``__main__`` the path ``<stdin>``, which multiprocessing cannot re-import."""
+    import subprocess
+    import sys
+
+    script = ("import torch.distributed as dist\nfrom workbench import launch\n"
+              "print(list(launch(lambda: dist.get_rank(), 2, device='cpu', timeout=30)))\n")
+    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("[0, 1]")

@@ -28,6 +28,7 @@ current, or ``cpu``).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import datetime
 import errno
 import multiprocessing as mp
@@ -278,18 +279,36 @@ def _spawn_and_run(fn: Callable[..., Any], world_size: int, placement: Placement
     messages = ctx.Queue()
     procs = []
     try:
-        for rank in range(world_size):
-            p = ctx.Process(target=_rank_main, name=f"workbench-rank{rank}", daemon=True,
-                            args=(rank, world_size, store.port, placement, timeout, payload, messages,
-                                  os.getpid(), on_report is not None))
-            p.start()
-            procs.append(p)
+        with _main_not_reimported():
+            for rank in range(world_size):
+                p = ctx.Process(target=_rank_main, name=f"workbench-rank{rank}", daemon=True,
+                                args=(rank, world_size, store.port, placement, timeout, payload, messages,
+                                      os.getpid(), on_report is not None))
+                p.start()
+                procs.append(p)
         return _supervise(procs, messages, timeout, on_report)
     finally:
         _stop_all(procs)
         messages.close()
         messages.join_thread()
         del store
+
+
+@contextlib.contextmanager
+def _main_not_reimported() -> Any:
+    """Ranks get ``fn`` by value (cloudpickle) and never need the caller's ``__main__``, but multiprocessing
+    re-imports it by path in each child: that fails for a script read from stdin (``python - <<EOF``, path
+    ``<stdin>``). Hide a path that is not a file while the ranks start."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _host_store(port: int, world_size: int, timeout: float) -> Any:

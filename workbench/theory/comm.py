@@ -181,6 +181,57 @@ def dp_step_volume(n_params: int, bytes_per_param: float, zero_stage: int, world
     return {"logical": logical, "ring_wire": wire}
 
 
+def tp_block_collectives(batch: int, seq: int, d_model: int,
+                          bytes_per_elem: float = 4) -> dict[str, list[tuple[str, float]]]:
+    """Megatron tensor parallelism's collectives in one transformer block for one step, as (op, S) per pass.
+
+    Shoeybi et al. 2019 (Megatron-LM) §3, Fig. 3/4: attention and MLP each start with f (identity forward,
+    all-reduce backward) and end with g (all-reduce forward, identity backward), both on the block's
+    activation X of b·s·h elements. So per block per step:
+
+        forward:  2 all-reduces (g after attention, g after the MLP)
+        backward: 2 all-reduces (f before attention, f before the MLP)
+        each of S = b·s·h·bytes_per_elem bytes  →  4·b·s·h·bytes_per_elem tensor bytes per block,
+
+    with b the micro-batch every tp rank sees (TP ranks share one batch), s the sequence length, h =
+    ``d_model``. The volume does not shrink as tp grows: only the weights and the work are split.
+    """
+    for name, value in (("batch", batch), ("seq", seq), ("d_model", d_model)):
+        _check_world(name, value)
+    size = float(batch * seq * d_model) * bytes_per_elem
+    return {"forward": [("all_reduce", size)] * 2, "backward": [("all_reduce", size)] * 2}
+
+
+def tp_block_volume(batch: int, seq: int, d_model: int, tp: int, bytes_per_elem: float = 4) -> dict[str, float]:
+    """Bytes of one tensor-parallel block per step (forward + backward), in three forms.
+
+    "tensor": the sum of S over the 4 all-reduces, 4·b·s·h·bytes (what the comm log's ``nbytes`` adds up to);
+    "logical": the textbook count, an all-reduce moving 2S, so 8·b·s·h·bytes (as ``dp_step_volume``);
+    "ring_wire": what each rank sends under ring all-reduce, 4 · 2(tp−1)/tp · b·s·h·bytes (0 at tp = 1).
+    """
+    _check_world("tp", tp)
+    ops = [c for phase in tp_block_collectives(batch, seq, d_model, bytes_per_elem).values() for c in phase]
+    return {"tensor": sum(s for _, s in ops), "logical": sum(2 * s for _, s in ops),
+            "ring_wire": sum(bus_bytes(op, s, tp) for op, s in ops)}
+
+
+def tp_vocab_collectives(batch: int, seq: int, d_model: int,
+                         bytes_per_elem: float = 4) -> dict[str, list[tuple[str, float]]]:
+    """The collectives of a vocab-parallel embedding, tied head and loss per step, outside the blocks.
+
+    The embedding ends with g (forward all-reduce of b·s·h), the head starts with f (backward all-reduce of
+    b·s·h), and the vocab-parallel cross-entropy all-reduces three fp32 numbers per token in forward: the
+    max logit, the target's logit and the sum of exponentials (3 · b·s·4 bytes; never the b·s·V logits).
+    Its backward is local (softmax − one-hot on each rank's vocab slice).
+    """
+    for name, value in (("batch", batch), ("seq", seq), ("d_model", d_model)):
+        _check_world(name, value)
+    activation = float(batch * seq * d_model) * bytes_per_elem
+    per_token = float(batch * seq) * 4
+    return {"forward": [("all_reduce", activation)] + [("all_reduce", per_token)] * 3,
+            "backward": [("all_reduce", activation)]}
+
+
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
     """Least-squares fit of t = α + S/B to measurements; returns (α seconds, B bytes/s).
 
@@ -204,5 +255,6 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
 __all__ = [
     "OPS", "algorithm_bandwidth", "all_gather_time", "bus_bandwidth", "bus_bytes", "canonical_op",
     "dp_step_collectives", "dp_step_volume", "fit_alpha_beta", "hierarchical_allreduce_time",
-    "reduce_scatter_time", "ring_allreduce_time", "tree_allreduce_time",
+    "reduce_scatter_time", "ring_allreduce_time", "tp_block_collectives", "tp_block_volume", "tp_vocab_collectives",
+    "tree_allreduce_time",
 ]
