@@ -27,7 +27,11 @@ LOSS_RTOL = 2e-4
     (dict(model="huge"), "unknown model 'huge'"),
     (dict(steps=0), "steps must be a positive int"),
     (dict(offload=True), "offload needs a ZeRO stage"),
-    (dict(nproc=2, dp=4), "dp must equal nproc"),
+    (dict(nproc=2, dp=4), "dp x tp = 4 x 1 = 4 but nproc=2"),
+    (dict(nproc=4, tp=3), "dp x tp = 1 x 3 = 3 but nproc=4"),
+    (dict(nproc=3, tp=3), "tp=3 must divide the GPT's n_head"),
+    (dict(nproc=2, tp=2, zero=2), "ZeRO-2/3 are not composed with tensor parallelism"),
+    (dict(nproc=2, tp=0), "tp must be a positive int"),
 ])
 def test_bad_config_is_rejected_before_spawning(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -88,6 +92,7 @@ STRATEGIES = [
     dict(nproc=2, ddp="bucketed", bucket_mb=0.05), dict(nproc=4, ddp="bucketed"),
     dict(nproc=2, grad_accum=2), dict(nproc=2, zero=1), dict(nproc=2, zero=2), dict(nproc=2, zero=3),
     dict(nproc=4, zero=3, grad_accum=2), dict(nproc=2, zero=3, offload=True), dict(nproc=2, zero=1, offload=True),
+    dict(nproc=2, tp=2), dict(nproc=4, tp=2, ddp="bucketed"), dict(nproc=4, tp=2, zero=1, grad_accum=2),
 ]
 
 

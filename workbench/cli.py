@@ -21,7 +21,8 @@ def _run_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="train the tiny GPT on N ranks; write summary.json and report.html")
     p.add_argument("--nproc", type=int, default=None,
                    help="number of ranks (1 = the single-process baseline; under torchrun: its WORLD_SIZE)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: nproc)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: nproc / tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads, MLP and vocabulary split)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, split across data-parallel ranks")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
@@ -57,7 +58,7 @@ def _config_from_args(args: argparse.Namespace) -> Any:
         nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
     if args.clip is not None and args.clip < 0:
         raise ValueError(f"clip must be >= 0 (0 disables clipping), got {args.clip}")
-    return RunConfig(model=args.model, seq_len=args.seq_len, nproc=nproc, dp=args.dp, steps=args.steps,
+    return RunConfig(model=args.model, seq_len=args.seq_len, nproc=nproc, dp=args.dp, tp=args.tp, steps=args.steps,
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
                      zero=args.zero, offload=args.offload, data=args.data, timeout=args.timeout,

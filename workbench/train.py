@@ -35,6 +35,7 @@ class RunConfig:
     seq_len: int | None = None
     nproc: int = 1
     dp: int | None = None
+    tp: int = 1
     steps: int = 50
     batch_size: int = 16
     grad_accum: int = 1
@@ -58,7 +59,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.dp is None:
-            self.dp = self.nproc
+            self.dp = self.nproc // self.tp if isinstance(self.tp, int) and self.tp > 0 else self.nproc
         self.validate()
 
     def validate(self) -> None:
@@ -69,9 +70,18 @@ class RunConfig:
         _positive_int("grad_accum", self.grad_accum)
         if self.model not in PRESETS:
             raise ValueError(f"unknown model {self.model!r}; valid: {sorted(PRESETS)}")
-        if self.dp != self.nproc:
-            raise ValueError(f"dp={self.dp} but nproc={self.nproc}: with no other parallelism yet, dp must "
-                             f"equal nproc")
+        _positive_int("tp", self.tp)
+        if self.dp * self.tp != self.nproc:
+            raise ValueError(f"dp x tp = {self.dp} x {self.tp} = {self.dp * self.tp} but nproc={self.nproc}: the "
+                             f"mesh must use every rank; leave --dp out to get nproc / tp")
+        if self.tp > 1:
+            from workbench.parallel import TP_ZERO_STAGES
+            from workbench.parallel.tensor import check_tensor_parallel_sizes
+
+            check_tensor_parallel_sizes(self.gpt_config(), self.tp)
+            if self.zero not in TP_ZERO_STAGES:
+                raise ValueError(f"zero={self.zero} with tp={self.tp}: ZeRO-2/3 are not composed with tensor "
+                                 f"parallelism yet; valid with tp > 1: zero in {TP_ZERO_STAGES}")
         per_rank, rem = divmod(self.batch_size, self.dp * self.grad_accum)
         if rem or per_rank == 0:
             raise ValueError(f"batch_size={self.batch_size} must be a positive multiple of dp x grad_accum = "
@@ -152,7 +162,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None) -> None:
         self.cfg = cfg
-        self.mesh = mesh or Mesh(dp=cfg.dp)
+        self.mesh = mesh or Mesh(dp=cfg.dp, tp=cfg.tp)
         self.device = self.mesh.device
         model_cfg = cfg.gpt_config()
         self.dataset = make_lm_data(model_cfg.seq_len, cfg.data)  # host memory; each batch moves to the device

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -67,10 +67,23 @@ def _clip_replicated(model: nn.Module) -> Callable[[float], float]:
     return lambda max_norm: float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
+#: ZeRO stages that compose with tensor parallelism here. ZeRO-2/3 shard gradients into flat buckets that
+#: mix tp-sharded and replicated parameters, so the global norm for clipping would need per-element weights
+#: (a replicated parameter's square counted once over tp, a shard's summed): not built yet.
+TP_ZERO_STAGES = (0, 1)
+
+
 def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
-    """Apply the data-parallel strategy of ``cfg`` over ``mesh``'s dp axis and build the optimizer."""
+    """Apply ``cfg`` over ``mesh``: tensor parallelism over the tp axis first (it changes the model's layers),
+    then the data-parallel strategy over the dp axis, and build the optimizer."""
     if cfg.zero not in ZERO_STAGES:
         raise ValueError(f"zero stage {cfg.zero!r}; valid: {ZERO_STAGES}")
+    if mesh.tp_size > 1:
+        return _with_tensor_parallel(model, mesh, cfg)
+    return _data_parallel(model, mesh, cfg)
+
+
+def _data_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
     if mesh.dp_size == 1 and cfg.zero == 0:
         return _single(model, cfg)
     if cfg.zero in (0, 1):
@@ -78,6 +91,23 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     if cfg.zero == 2:
         return _zero2(model, mesh, cfg)
     return _zero3(model, mesh, cfg)
+
+
+def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    """TP inside, DP/ZeRO-1 outside (Megatron's order: tp groups are the fastest-varying ranks). The data
+    parallel wrapper sees this rank's shards as ordinary parameters; clipping and the full parameters need
+    the tp group, so those two come from ``tensor``."""
+    from workbench.parallel import tensor
+
+    if cfg.zero not in TP_ZERO_STAGES:
+        raise ValueError(f"ZeRO-{cfg.zero} with tensor parallelism (tp={mesh.tp_size}) is not composed yet; "
+                         f"valid with tp > 1: zero in {TP_ZERO_STAGES}")
+    tensor.apply_tensor_parallel(model, mesh)
+    inner = _data_parallel(model, mesh, cfg)
+    # Clip the unsplit gradients across tp, in place, before the optimizer (ZeRO-1 builds its shard at step).
+    clip = lambda max_norm: tensor.clip_grad_norm_(model, max_norm, mesh)  # noqa: E731
+    return replace(inner, clip_grad_norm=clip, full_parameters=lambda: tensor.full_parameters(model, mesh),
+                   describe=f"TP={mesh.tp_size} + {inner.describe}")
 
 
 def _single(model: nn.Module, cfg: ParallelConfig) -> Parallelized:

@@ -501,9 +501,32 @@ def full_gradients(model: nn.Module, mesh_or_group: Any) -> dict[str, torch.Tens
             for name, p in model.named_parameters()}
 
 
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, mesh_or_group: Any) -> float:
+    """Clip by the global gradient norm of the *unsplit* model, as one process would; return that norm.
+
+    A sharded parameter's squared norm is spread over the tp ranks (sum them); a replicated one is whole on
+    every rank (count it once). So each rank adds its shards' squares and 1/tp of the replicated ones, and one
+    all-reduce of a scalar over tp gives the exact total. Same formula as ``torch.nn.utils.clip_grad_norm_``.
+    """
+    tp = tp_group_of(mesh_or_group)
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64, device=named[0][1].grad.device if named else "cpu")
+    for name, p in named:
+        weight = 1.0 if _shard_dim(model, name) is not None else 1.0 / tp.size
+        local += weight * p.grad.double().pow(2).sum()
+    comm.all_reduce(local, group=tp.group, tag="clip")
+    total = float(local.sqrt())
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for _, p in named:
+            p.grad.mul_(coef)
+    return total
+
+
 __all__ = [
     "BLOCK_PLAN", "STYLES", "ColumnParallelLinear", "CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion",
     "RowParallelLinear", "TPGroup", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "apply_plan",
-    "apply_tensor_parallel", "check_tensor_parallel_sizes", "copy_to_tp_region", "full_gradients",
+    "apply_tensor_parallel", "check_tensor_parallel_sizes", "clip_grad_norm_", "copy_to_tp_region", "full_gradients",
     "full_parameters", "gpt_plan", "reduce_from_tp_region", "tp_group_of", "vocab_parallel_cross_entropy",
 ]
