@@ -1,0 +1,360 @@
+"""The sharded optimizer, ``ZeroOptimizer``: ZeRO stages 0-2 over flat buckets, and the step of stage 3.
+
+Stage 1 (P_os, Rajbhandari et al. 2020 §5.1): each rank keeps optimizer state for, and updates, only its
+1/N shard of every flat bucket (``flat.py``), then the updated shards are all-gathered straight into the
+model's parameters, which are views of the buckets. ``step()`` steps one bucket at a time and starts that
+bucket's all-gather at once, so it runs while the next bucket is stepped. Stage 2 adds gradient sharding
+during backward (``gradients.py``); stage 0 is the unsharded baseline; at stage 3 the parameters are a
+``FullyShardedModel``'s shards and ``step()`` only updates them (``fully_sharded.py``). Norm clipping
+needs one scalar all-reduce, never a full gradient.
+
+Here: ``ZeroOptimizer``, and how it reads its ``params`` (``_param_groups``, ``_check_stage_matches_params``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from workbench import comm, trace
+from workbench.launch import rank_device
+from workbench.parallel.zero.flat import (
+    DEFAULT_BUCKET_MB,
+    _all_gather_accepts_own_slice,
+    _Bucket,
+    _bucket_params,
+    _step_chunks,
+)
+from workbench.parallel.zero.gradients import _GradientReduction
+from workbench.parallel.zero.offload import _master_copies, _offload_copy
+
+VALID_STAGES = (0, 1, 2, 3)
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's per-parameter state tensors (Adam moments, momentum), not step counters."""
+    return trace.tensor_bytes(t for s in optimizer.state.values() for t in s.values()
+                              if torch.is_tensor(t) and t.dim() > 0)
+
+
+def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Normalise ``params`` (tensors or param-group dicts, any iterable) to groups of unique trainable
+    parameters; a tied parameter listed twice is kept once."""
+    items = list(params)
+    if not items:
+        raise ValueError("ZeroOptimizer got an empty parameter list; pass model.parameters()")
+    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
+    seen: set[int] = set()
+    for g in groups:
+        if "params" not in g:
+            raise ValueError(f"a param group needs a 'params' key, got keys {sorted(g)}")
+        tensors = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
+        unique = []
+        for p in tensors:
+            if not torch.is_tensor(p):
+                raise ValueError(f"params must be tensors or param-group dicts, got {type(p).__name__}")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                unique.append(p)
+        g["params"] = unique
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("ZeroOptimizer: no parameter requires grad; nothing to optimise")
+    return groups
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Wrap any ``torch.optim`` optimizer so each data-parallel rank keeps state for 1/N of the parameters.
+
+    ``params``: any iterable of parameters or param-group dicts (frozen ones are ignored).
+    ``optimizer_cls`` and ``**optimizer_kwargs``: the inner optimizer (e.g. ``torch.optim.AdamW, lr=1e-3``).
+
+    Stages (Rajbhandari et al. 2020 §5):
+
+    * 0: nothing sharded (plain data parallelism's memory; the baseline the others are measured against).
+    * 1: optimizer state sharded. Gradients must arrive *averaged*, from a DDP wrapper, as with torch's
+      ``ZeroRedundancyOptimizer`` (then DDP's all-reduce 2Ψ + our all-gather Ψ = 3Ψ per step). With
+      ``reduce_grads=True`` ``step()`` reduce-scatters the local gradients itself instead, which is the
+      paper's stage 1 (2Ψ, §7.2.1). Stage 0 with ``reduce_grads=True`` all-reduces them (2Ψ).
+    * 2: gradients sharded too. Post-accumulate-grad hooks reduce-scatter (average) each bucket into this
+      rank's gradient shard as soon as its last gradient is final, in reverse order while backward still
+      runs, and free the full ``.grad``. Use *without* a DDP wrapper.
+    * 3: ``params`` must be the shards of a ``FullyShardedModel``, whose backward already reduce-scattered
+      the gradients: ``step()`` only updates the local shards.
+
+    Gradient accumulation: either accumulate into the shard (call backward K times; stage 2 reduce-scatters
+    every micro-batch and sums into the shard), or wrap the first K−1 backwards in ``no_sync()`` (stage 2
+    then keeps the full local gradients and communicates once, on the last). Scale the loss by 1/K as usual.
+
+    ``param_groups`` are the inner optimizer's, so an LR scheduler's ``lr`` reaches the inner ``step``; at
+    stages 0-2 their params are the shards cut in pieces of ``STEP_CHUNK_BYTES`` (one state entry per piece).
+    ``state_dict()`` is shard-local: each rank saves and loads its own shard's state (same world size and
+    rank required). ``offload=True`` keeps optimizer state, and a master copy of the stepped shard, on
+    ``offload_device`` (ZeRO-Offload); gradients are copied there, stepped, and the result copied back.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], group: Any = None,
+                 stage: int = 1, offload: bool = False, *, reduce_grads: bool = False,
+                 bucket_cap_mb: float = DEFAULT_BUCKET_MB, offload_device: str | torch.device = "cpu",
+                 **optimizer_kwargs: Any) -> None:
+        if stage not in VALID_STAGES:
+            raise ValueError(f"ZeRO stage {stage!r} is not valid; valid stages: {VALID_STAGES}")
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer_cls must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), "
+                             f"got {optimizer_cls!r}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        self.group, self.stage, self.offload = group, stage, offload
+        self.reduce_grads = reduce_grads or stage == 2
+        self.offload_device = torch.device(offload_device)
+        self.comm_device = rank_device()  # where scalars this optimizer communicates are born
+        self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        groups = _param_groups(params)
+        _check_stage_matches_params(stage, groups)
+        self.buckets: list[_Bucket] = []
+        parts, part_rank = (1, 0) if stage == 0 else (self.world, self.rank)
+        inner_groups = []
+        for g in groups:
+            if stage == 3:
+                tensors = list(g["params"])
+            else:
+                new = [_Bucket(b, parts, part_rank) for b in _bucket_params(g["params"], int(bucket_cap_mb * 2**20))]
+                self.buckets += new
+                tensors = [b.shard for b in new]
+            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": tensors})
+        self._sharded = [t for g in inner_groups for t in g["params"]]  # what step() updates, on device
+        self._masters = _master_copies(self._sharded, self.offload_device) if offload else {}
+        for b in self.buckets:
+            b.chunks = _step_chunks(self._masters.get(id(b.shard), b.shard))
+        chunks = {id(b.shard): b.chunks for b in self.buckets}
+        for g in inner_groups:
+            g["params"] = [c for t in g["params"] for c in chunks.get(id(t), [self._masters.get(id(t), t)])]
+        self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
+        self._gather_in_place = _all_gather_accepts_own_slice(group)
+        self.defaults = self.optimizer.defaults
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._reduction = _GradientReduction(self.buckets, group, stage, self.reduce_grads, self._record_memory)
+        self._record_memory()
+
+    # -- torch.optim.Optimizer surface ---------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer(stage={self.stage}, rank {self.rank}/{self.world}, offload={self.offload}, "
+                f"inner={type(self.optimizer).__name__}, buckets={len(self.buckets)})")
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (shard-local: load it on the same rank of the same N)."""
+        return {"zero_stage": self.stage, "rank": self.rank, "world": self.world,
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        got = (state_dict.get("zero_stage"), state_dict.get("rank"), state_dict.get("world"))
+        want = (self.stage, self.rank, self.world)
+        if got != want:
+            raise ValueError(f"shard-local state dict of (stage, rank, world)={got} cannot be loaded into "
+                             f"(stage, rank, world)={want}; save and load on the same layout")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._record_memory()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("ZeroOptimizer partitions its parameters at construction; pass every param group "
+                         "to the constructor instead of add_param_group")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        tensors = [*self._sharded, *self._masters.values()]
+        tensors += [t for b in self.buckets for t in (*b.params, *b.chunks)]
+        for t in tensors:
+            if t.grad is not None:
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.zero_()
+        for b in self.buckets:
+            if set_to_none:
+                b.shard_grad = None
+            elif b.shard_grad is not None:
+                b.shard_grad.zero_()
+            b.shard_grad_is_view = b.shard_grad_is_view and b.shard_grad is not None
+        self._reduction.synced = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Update this rank's shard, then (stages 1-2) all-gather the updated shards into every replica."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.finish_gradient_synchronization()
+        if self.stage == 3:
+            self._attach_grads()
+            with trace.span("optimizer step (shard)", "optimizer"):
+                self.optimizer.step()
+                for t in self._sharded:
+                    if id(t) in self._masters:
+                        t.copy_(self._masters[id(t)])  # offload: the updated master goes back to the device
+        else:
+            self._step_buckets()
+        self._reduction.synced = False
+        self._record_memory()
+        return loss
+
+    def _step_buckets(self) -> None:
+        """Stages 0-2: step the shard bucket by bucket and start each bucket's all-gather as soon as its shard
+        is updated, so it runs while the next bucket is being stepped (the overlap DeepSpeed's ZeRO-1/2 get by
+        gathering partitions as they finish). The inner optimizer steps one bucket per call: torch optimizers
+        skip parameters whose ``.grad`` is None, so only the bucket whose pieces have gradients attached moves,
+        and each piece's state (Adam's step counter included) advances once per ``step()``."""
+        self._attach_grads(None)
+        works = []
+        for b in self.buckets:
+            with trace.span("optimizer step (shard)", "optimizer"):
+                self._attach_grads(b)
+                self.optimizer.step()
+                for c in b.chunks:
+                    c.grad = None
+                if id(b.shard) in self._masters:
+                    b.shard.copy_(self._masters[id(b.shard)])  # offload: the updated master back to the device
+            if self.stage in (1, 2):
+                works.append(self._start_all_gather(b))
+        self._wait_all_gathers(works)
+
+    # -- gradients -------------------------------------------------------------------------------------
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backward passes inside accumulate full local gradients without communicating (stage 2); stages
+        0/1/3 communicate only at ``step()`` or in the model, so it is a no-op there."""
+        return self._reduction.no_sync()
+
+    def finish_gradient_synchronization(self) -> None:
+        """Make each bucket's gradient shard final: wait for stage 2's in-flight reduce-scatters, or build
+        (stage 0/1) the shard from ``.grad``, reducing it first when ``reduce_grads``. Idempotent per step."""
+        self._reduction.finish()
+
+    def _attach_grads(self, bucket: _Bucket | None = None) -> None:
+        """Give the stepped tensors their gradient: stage 3's shards (``bucket`` ignored), or the pieces of
+        ``bucket``'s shard (views of its gradient shard, or of the offloaded master's copy of it);
+        ``bucket=None`` at stages 0-2 clears every piece's gradient."""
+        if self.stage == 3:
+            for t in self._sharded:
+                if id(t) in self._masters:
+                    master = self._masters[id(t)]
+                    master.grad = None if t.grad is None else _offload_copy(t.grad, self.offload_device)
+            return
+        if bucket is None:
+            for b in self.buckets:
+                for c in b.chunks:
+                    c.grad = None
+            return
+        grad = bucket.shard.grad = bucket.shard_grad
+        master = self._masters.get(id(bucket.shard))
+        if master is not None:
+            grad = master.grad = None if grad is None else _offload_copy(grad, self.offload_device)
+        pieces = [None] * len(bucket.chunks) if grad is None else grad.split([c.numel() for c in bucket.chunks])
+        for c, g in zip(bucket.chunks, pieces, strict=True):
+            c.grad = g
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        if self.stage == 3:
+            return [t.grad for t in self._sharded if t.grad is not None]
+        return [b.shard_grad for b in self.buckets if b.shard_grad is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm, computed from the shards with one all-reduce of a scalar.
+
+        Same formula as ``torch.nn.utils.clip_grad_norm_``: scale by min(1, max_norm / (norm + 1e-6)).
+        Each rank sums the squares of its own shard (padding is zero), an all-reduce adds the N partial sums,
+        so the norm is exact without ever gathering a full gradient.
+        """
+        if norm_type not in (2.0, float("inf")):
+            raise ValueError(f"norm_type {norm_type!r} is not supported; valid: 2.0 or float('inf')")
+        self.finish_gradient_synchronization()
+        grads = self._owned_grads()
+        sharded = self.stage >= 1 and self.world > 1
+        # Offloaded shards' gradients live on the CPU; the partial norm travels on the rank's device.
+        none = torch.zeros((), dtype=torch.float64, device=self.comm_device)
+        if norm_type == 2.0:
+            local = torch.stack([g.double().pow(2).sum().to(self.comm_device) for g in grads]).sum() if grads else none
+            if sharded:
+                comm.all_reduce(local, op="sum", group=self.group, tag="clip")
+            total = local.sqrt()
+        else:
+            local = torch.stack([g.abs().max().double().to(self.comm_device) for g in grads]).max() if grads else none
+            if sharded:
+                comm.all_reduce(local, op="max", group=self.group, tag="clip")
+            total = local
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if self.stage == 3:
+            for g in grads:
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        for b in self.buckets:
+            if b.shard_grad is not None:  # a view of the model's .grad is scaled out of place: .grad stays put
+                c = coef.to(device=b.shard_grad.device, dtype=b.shard_grad.dtype)
+                b.shard_grad = b.shard_grad.mul(c) if b.shard_grad_is_view else b.shard_grad.mul_(c)
+                b.shard_grad_is_view = False
+        return total.float()
+
+    # -- parameters --------------------------------------------------------------------------------------
+
+    def _start_all_gather(self, b: _Bucket) -> tuple[Any, int]:
+        """Launch the async all-gather of bucket ``b``'s updated shard into ``b.flat`` (the model's params).
+
+        The input is this rank's own slice of the output. Where the backend allows that (NCCL, gloo) it is sent
+        as it is; elsewhere it is sent from a copy, whose bytes are returned so the ledger can count them."""
+        send = b.shard.detach() if self._gather_in_place else b.shard.detach().clone()
+        nbytes = 0 if self._gather_in_place else trace.tensor_bytes([send])
+        trace.ledger_add("comm_buffers", nbytes)
+        return comm.all_gather(b.flat, send, group=self.group, async_op=True, tag="param"), nbytes
+
+    @staticmethod
+    def _wait_all_gathers(works: list[tuple[Any, int]]) -> None:
+        for work, nbytes in works:
+            work.wait()
+            trace.ledger_add("comm_buffers", -nbytes)
+
+    # -- memory ------------------------------------------------------------------------------------------
+
+    def _record_memory(self) -> None:
+        state = _state_bytes(self.optimizer)
+        trace.ledger_set("optimizer_state", 0 if self.offload else state)
+        if self.stage == 3:
+            return  # FullyShardedModel records parameters and gradients
+        trace.ledger_set("parameters", trace.tensor_bytes(b.flat for b in self.buckets))
+        if self.stage == 2:
+            grads = [b.shard_grad for b in self.buckets if b.shard_grad is not None]
+        else:
+            grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
+        trace.ledger_set("gradients", trace.tensor_bytes(grads))
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Bytes this rank keeps on ``offload_device`` instead of the compute device, by category."""
+        if not self.offload:
+            return {"optimizer_state": 0, "master_weights": 0}
+        return {"optimizer_state": _state_bytes(self.optimizer),
+                "master_weights": trace.tensor_bytes(self._masters.values())}
+
+    def shard_numel(self) -> int:
+        """Elements of parameters this rank steps (its shard, padding included)."""
+        return sum(t.numel() for t in self._sharded)
+
+
+def _check_stage_matches_params(stage: int, groups: list[dict[str, Any]]) -> None:
+    shards = [getattr(p, "_zero_shard", False) for g in groups for p in g["params"]]
+    if stage == 3 and not all(shards):
+        raise ValueError("stage=3 steps the shards of a FullyShardedModel: wrap the model first and pass "
+                         "FullyShardedModel(model).parameters(), or use stage 1 or 2 for plain parameters")
+    if stage < 3 and any(shards):
+        raise ValueError(f"stage={stage} got the flat shards of a FullyShardedModel; use stage=3 for those")
