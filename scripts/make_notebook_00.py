@@ -3,6 +3,23 @@ from pathlib import Path
 
 import nbformat as nbf
 
+
+def keep_ids(cells, path):
+    """Reuse the stored notebook's cell ids: a cell with unchanged source keeps its id, an edited one the id at its position."""
+    if not path.exists():
+        return
+    old = nbf.read(path, as_version=4).cells
+    by_source, used = {c.source: c.id for c in old}, set()
+    for c in cells:
+        if by_source.get(c.source) not in (None, *used):
+            c.id = by_source[c.source]
+            used.add(c.id)
+    for i, c in enumerate(cells):
+        if c.id not in used and i < len(old) and old[i].cell_type == c.cell_type and old[i].id not in used:
+            c.id = old[i].id
+            used.add(c.id)
+
+
 nb = nbf.v4.new_notebook()
 md = nbf.v4.new_markdown_cell
 code = nbf.v4.new_code_cell
@@ -17,7 +34,9 @@ what every rank holds, and look at a **measured** timeline of what each rank did
 code("""# Parameters (papermill can override these)
 WORLD_SIZE = 4
 CHUNK = 2          # elements per rank in the reduce-scatter / all-gather examples
-TIMEOUT_S = 30.0   # every collective gives up after this long instead of hanging""", metadata={"tags": ["parameters"]}),
+TIMEOUT_S = 30.0   # every collective gives up after this long instead of hanging
+LEARNER_SEED = None  # orders the quiz options; None means $WORKBENCH_LEARNER or your login name
+QUIZ_ANSWERS = {}    # headless grading: {"question id": "option text" or a number}""", metadata={"tags": ["parameters"]}),
 md("""## What do I have?
 
 Before starting any ranks, see what this machine offers: the torch build and its backends, the GPUs, the
@@ -174,24 +193,78 @@ md("""## What just happened
 * The **timeline** is measured: it is the raw material for every figure in the later notebooks (DDP's
   overlap, ZeRO's all-gathers, pipeline bubbles).
 * Failures end in a clear error within the timeout, never a hang."""),
-md("## Knowledge check"),
-code("""from workbench.widgets.quiz import answers_text, quiz
+md("""## Knowledge check
 
-QUESTIONS = [
-    dict(question="After an all-reduce (sum) of tensors holding 1, 2, 3, 4 on four ranks, what does rank 2 hold?",
-         options=["3", "10", "[1, 2, 3, 4]", "2.5"], answer=1,
-         why="All-reduce leaves the full reduction on every rank."),
-    dict(question="Which collective leaves each rank with only its own chunk of the sum?",
-         options=["all-gather", "broadcast", "reduce-scatter", "send/recv"], answer=2,
-         why="Reduce-scatter = reduce, then scatter the chunks; ZeRO uses it for gradients."),
-    dict(question="Why does every process group here have a timeout?",
-         options=["to speed collectives up", "so a collective one rank never joins raises instead of hanging forever",
-                  "NCCL requires it", "to limit memory"], answer=1,
-         why="A collective waits for every member; without a timeout a missing rank hangs all the others."),
-]
-display(quiz(QUESTIONS))
-print(answers_text(QUESTIONS))"""),
+Answer each question and press **check**. Every option has its own explanation, the tempting wrong ones too, shown
+once you have answered. The options are shuffled for your `LEARNER_SEED`, and the answers are stored only as salted
+hashes, so the collapsed cell below does not give them away (its feedback strings are best read after answering)."""),
+code("""from workbench.widgets.quiz import Choice, Numeric, QuizBook
+
+QUIZ = QuizBook("00 · launching ranks", seed=LEARNER_SEED)
+QUIZ.show(
+    Numeric("nb00.allreduce-value",
+            "Eight ranks each hold a one-element tensor filled with rank + 1 (1, 2, …, 8). After all_reduce "
+            "with SUM, what value does rank 5 hold?",
+            abs_tol=0, key="num:2YfhwzG0xyhiqirb",
+            why="All-reduce leaves the full reduction on every rank, whatever that rank contributed: add up "
+                "all eight inputs."),
+    Choice("nb00.own-chunk",
+           "Which collective leaves each rank with only its own chunk of the sum over all ranks?",
+           {
+               "all-gather":
+                   "All-gather sums nothing: it concatenates every rank's chunk, so every rank ends with all "
+                   "of them.",
+               "all-reduce":
+                   "All-reduce leaves the whole sum on every rank, not one chunk of it.",
+               "point-to-point send / recv":
+                   "Send/recv has one sender and one receiver: nothing is summed over the group.",
+               "reduce-scatter":
+                   "Reduce-scatter sums over all ranks and hands rank r only chunk r of that sum; ZeRO uses "
+                   "it for gradients, and a ring all-reduce is a reduce-scatter followed by an all-gather.",
+           },
+           key="f32d4f9b96224ee0dad5"),
+    Choice("nb00.timeout",
+           "Why does every process group in this notebook have a timeout?",
+           {
+               "so a collective that one rank never joins fails with an error instead of hanging":
+                   "A collective waits for every member of its group; with a timeout the waiting ranks fail "
+                   "with an error that names the missing rank, and `launch` ends within the timeout.",
+               "so that collectives run faster by giving up on slow ranks early":
+                   "A timeout changes nothing while every rank joins in time, and it skips no one: it only "
+                   "decides what happens when a rank never joins.",
+               "because NCCL and gloo refuse to create a process group without an explicit timeout":
+                   "Both have a default (30 minutes or more); the notebook shortens it so a demo failure ends "
+                   "in seconds.",
+               "to cap the memory a collective may hold while it waits for its peers":
+                   "A timeout bounds how long a rank waits for its peers, not how much memory anything takes.",
+           },
+           key="76fb2b07a88192d77210"),
+    Choice("nb00.collective-vs-p2p",
+           "What makes all_reduce a collective, and send a point-to-point operation?",
+           {
+               "a collective moves more bytes than any point-to-point send can, so it needs its own algorithm":
+                   "Size is not the difference: a broadcast of 4 bytes is a collective, a send of 1 GB is "
+                   "not.",
+               "collectives run only on GPUs with NCCL, while send and recv also work on the CPU with gloo":
+                   "This notebook runs every collective on the CPU, over gloo.",
+               "every rank of the group must call it, in the same order; a send involves just two ranks":
+                   "Collectives are matched by the order of the calls on each rank, so every member must make "
+                   "the same calls; a send is matched only with the receive of the one peer it names.",
+               "a collective is computed by one coordinating rank that then sends the result to the others":
+                   "There is no coordinator: every rank runs its part of the algorithm (ring, tree) and "
+                   "exchanges messages with its peers.",
+           },
+           key="c72e24c9617ac018d6c9"),
+)""", metadata={'jupyter': {'source_hidden': True}, 'tags': ['quiz']}),
+md("""### Score
+
+The score below updates as you answer. In a headless run (papermill), pass your answers as the `QUIZ_ANSWERS`
+parameter, `{"question id": "option text" or a number}`; the ids are printed with the questions."""),
+code("""QUIZ.answer_all(QUIZ_ANSWERS)  # answers given as a parameter (headless runs); the widgets above add yours
+QUIZ.scoreboard()"""),
 ]
 nb.cells = cells
 nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nbf.write(nb, Path(__file__).resolve().parent.parent / "notebooks" / "00_launching_ranks.ipynb")
+OUT = Path(__file__).resolve().parent.parent / "notebooks" / "00_launching_ranks.ipynb"
+keep_ids(nb.cells, OUT)
+nbf.write(nb, OUT)

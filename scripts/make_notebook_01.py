@@ -3,6 +3,23 @@ from pathlib import Path
 
 import nbformat as nbf
 
+
+def keep_ids(cells, path):
+    """Reuse the stored notebook's cell ids: a cell with unchanged source keeps its id, an edited one the id at its position."""
+    if not path.exists():
+        return
+    old = nbf.read(path, as_version=4).cells
+    by_source, used = {c.source: c.id for c in old}, set()
+    for c in cells:
+        if by_source.get(c.source) not in (None, *used):
+            c.id = by_source[c.source]
+            used.add(c.id)
+    for i, c in enumerate(cells):
+        if c.id not in used and i < len(old) and old[i].cell_type == c.cell_type and old[i].id not in used:
+            c.id = old[i].id
+            used.add(c.id)
+
+
 nb = nbf.v4.new_notebook()
 md = nbf.v4.new_markdown_cell
 code = nbf.v4.new_code_cell
@@ -28,7 +45,9 @@ code("""# Parameters (papermill can override these)
 PRESET = "tiny"           # GPTConfig preset: "tiny", "small" or "bench"
 BATCH_SIZES = [2, 4, 8]   # micro-batch sizes for the activation sweep
 SEQ_LEN = 64              # tokens per sequence
-SEED = 0""", metadata={"tags": ["parameters"]}),
+SEED = 0
+LEARNER_SEED = None  # orders the quiz options; None means $WORKBENCH_LEARNER or your login name
+QUIZ_ANSWERS = {}    # headless grading: {"question id": "option text" or a number}""", metadata={"tags": ["parameters"]}),
 md("""## 1. The model and Ψ
 
 One process, no ranks: memory anatomy is a single-device question. `build_gpt` makes a small pre-LN GPT in
@@ -318,48 +337,113 @@ md("""## What just happened
   selective (fused) attention, matches the transformer blocks; the rest of the measurement is the
   embeddings/head/loss that the formula leaves out.
 * A 7B model needs ~100 GiB of model states on one device: it does not fit an 80 GB GPU without sharding."""),
-code("""from IPython.display import display
+md("""## Knowledge check
 
-from workbench.widgets.quiz import answers_text, quiz
+Answer each question and press **check**. Every option has its own explanation, the tempting wrong ones too, shown
+once you have answered. The options are shuffled for your `LEARNER_SEED`, and the answers are stored only as salted
+hashes, so the collapsed cell below does not give them away (its feedback strings are best read after answering)."""),
+code("""from workbench.widgets.quiz import Choice, Numeric, QuizBook
 
-QUESTIONS = [
-    {"question": "Why does AdamW's state take twice the memory of the parameters (8Ψ bytes in fp32)?",
-     "options": ["it keeps a copy of the gradients", "it keeps two fp32 tensors per parameter: the running mean "
-                 "of gradients (momentum) and of squared gradients (variance)", "it stores the learning-rate "
-                 "schedule per parameter", "PyTorch allocates it twice for safety"],
-     "answer": 1,
-     "why": "exp_avg and exp_avg_sq are each the size of the parameters, in fp32: 4Ψ + 4Ψ (Kingma & Ba 2015)."},
-    {"question": "Why do saved activations grow linearly with batch size and sequence length?",
-     "options": ["the optimizer state grows with the batch", "every token of every sequence has its own "
-                 "intermediate values (LayerNorm inputs, Q/K/V, MLP hidden) that backward needs",
-                 "gradients are stored per sample", "the weights are copied per sequence"],
-     "answer": 1,
-     "why": "Each intermediate is a b×s×h (or b×s×4h) tensor: the sbh terms. An unfused attention also stores "
-            "the a×s×s scores, quadratic in s."},
-    {"question": "Why does bf16 mixed precision still need about 16 bytes per parameter of model state?",
-     "options": ["bf16 is really 4 bytes wide", "the optimizer updates an fp32 master copy (4Ψ) with fp32 "
-                 "momentum and variance (8Ψ), beside the 2Ψ bf16 weights and 2Ψ bf16 gradients",
-                 "the gradients are kept in fp64", "it doesn't: it needs 8 bytes per parameter"],
-     "answer": 1,
-     "why": "2 + 2 + 12 = 16 (ZeRO paper §3.1): tiny updates would vanish in bf16's 8-bit mantissa, so the "
-            "update happens in fp32. Mixed precision saves activation memory and time, not model states."},
-    {"question": "After optimizer.zero_grad(set_to_none=True), what does the ledger show?",
-     "options": ["parameters, gradients and optimizer state", "parameters and optimizer state: gradients are "
-                 "freed until the next backward", "only the parameters", "only the optimizer state"],
-     "answer": 1,
-     "why": "set_to_none frees the .grad tensors; AdamW's state persists from step to step."},
-    {"question": "Why did the measured block activations match recompute='selective' rather than 'none'?",
-     "options": ["the model uses dropout", "scaled_dot_product_attention is fused: it does not save the s×s "
-                 "attention matrix and recomputes it in backward", "the ledger ignores attention",
-                 "fp32 halves the attention matrix"],
-     "answer": 1,
-     "why": "A fused attention kernel (FlashAttention-style) keeps Q, K, V, the output and a log-sum-exp, which "
-            "is what selective recomputation keeps (Korthikanti et al. 2022, §5)."},
-]
-display(quiz(QUESTIONS))
-print(answers_text(QUESTIONS))
+QUIZ = QuizBook("01 · memory anatomy", seed=LEARNER_SEED)
+QUIZ.show(
+    Choice("nb01.activations-linear",
+           "Why do saved activations grow linearly with batch size and sequence length?",
+           {
+               "the optimizer keeps one moment estimate per sample of the batch":
+                   "AdamW's state is per parameter, 8Ψ bytes in fp32, whatever the batch.",
+               "each token of each sequence has its own intermediates that backward needs":
+                   "LayerNorm inputs, Q/K/V, the MLP hidden layer: each saved intermediate is a b×s×h (or "
+                   "b×s×4h) tensor, the sbh terms of the formula. An unfused attention also saves the a×s×s "
+                   "scores, quadratic in s.",
+               "backward stores one gradient per sample before summing them over the batch":
+                   "Backward sums every sample's contribution into one gradient per parameter as it goes: the "
+                   "gradients are Ψ-sized whatever the batch.",
+               "the weights are copied once per sequence so sequences can run in parallel":
+                   "The weights exist once per device; every sequence of the batch uses the same tensors.",
+           },
+           key="a73df2001f980b77293f"),
+    Numeric("nb01.adam-bytes",
+            "A 7-billion-parameter model is trained with AdamW in plain fp32 on one device. How many GB (10⁹ "
+            "bytes) do Adam's two moment tensors take?",
+            unit="GB", rel_tol=0.03, key="num:MOCwi8zEqW_JZXzu",
+            why="AdamW keeps exp_avg and exp_avg_sq, one fp32 number (4 bytes) each per parameter: count the "
+                "bytes per parameter, then multiply by Ψ = 7×10⁹. Weights and gradients are not part of the "
+                "question."),
+    Choice("nb01.bf16-16bytes",
+           "Why does bf16 mixed precision still need about 16 bytes of model state per parameter?",
+           {
+               "the gradients are accumulated in fp64, so rounding errors cannot build up over many "
+               "micro-batches":
+                   "Gradients are bf16 here, 2 bytes each; nothing is fp64.",
+               "a bf16 value is padded to 4 bytes in memory for alignment on GPUs":
+                   "A bf16 value is stored in 2 bytes: 1 sign, 8 exponent and 7 mantissa bits.",
+               "it does not: 8 bytes per parameter, since every tensor is half the size of fp32":
+                   "Only the weights and gradients are bf16 (4 bytes per parameter together); the fp32 master "
+                   "weights and Adam's two moments add 12.",
+               "the update runs on fp32 master weights and fp32 Adam moments, kept beside the bf16 copies":
+                   "2Ψ bf16 weights + 2Ψ bf16 gradients + 4Ψ fp32 master weights + 8Ψ fp32 moments = 16Ψ "
+                   "(ZeRO §3.1): an update much smaller than its weight would vanish in bf16's 8-bit "
+                   "significand. Mixed precision saves activation memory and time, not model state.",
+           },
+           key="6cb1da9019be7c8121a1"),
+    Choice("nb01.bf16-vs-fp16",
+           "Why do large language model trainings prefer bf16 to fp16 for mixed precision?",
+           {
+               "bf16 has fp32's exponent range, so no loss scaling is needed":
+                   "bf16 keeps fp32's 8-bit exponent and reaches ~3.4×10³⁸; fp16 tops out at 65504 and "
+                   "flushes values below ~6×10⁻⁸ to zero, so fp16 training needs a dynamic loss scaler, and "
+                   "large models still hit overflows on loss spikes.",
+               "bf16 has more mantissa bits than fp16, so its rounding error is smaller":
+                   "The opposite: bf16 has 7 mantissa bits to fp16's 10, so it is less precise. What it has "
+                   "more of is exponent: 8 bits to 5.",
+               "bf16 takes half the memory of fp16 for activations and gradients":
+                   "Both are 16-bit formats, 2 bytes per value: the memory is the same.",
+               "fp16 arithmetic is not supported by GPU tensor cores, only bf16 is":
+                   "fp16 tensor cores have existed since the V100 (bf16 only since the A100); fp16 training "
+                   "works, with a loss scaler to keep small gradients from underflowing.",
+           },
+           key="1ba33478850686cc04a0"),
+    Choice("nb01.zero-grad",
+           "After optimizer.zero_grad(set_to_none=True), what does the memory ledger hold?",
+           {
+               "parameters, gradients and optimizer state":
+                   "set_to_none=True releases the .grad tensors: the gradient bytes are gone until the next "
+                   "backward.",
+               "only the parameters":
+                   "AdamW's moments persist from step to step; only the gradients are dropped.",
+               "parameters and optimizer state":
+                   "The .grad tensors are dropped until the next backward makes them again; AdamW's moments "
+                   "persist from step to step.",
+               "only the optimizer state":
+                   "The parameters are never freed: the next forward needs them.",
+           },
+           key="3ccc8ea64fd29f2cb761"),
+    Choice("nb01.selective",
+           "Why did the measured block activations match recompute='selective' rather than 'none'?",
+           {
+               "the model's dropout masks replace the attention matrix in memory":
+                   "Dropout adds saved masks rather than removing anything.",
+               "the attention kernel is fused and does not save the s×s score matrix":
+                   "scaled_dot_product_attention (FlashAttention-style) keeps Q, K, V, the output and a "
+                   "log-sum-exp and recomputes the scores in backward, which is what selective recomputation "
+                   "keeps (Korthikanti et al. 2022, §5).",
+               "the ledger's saved-tensor hooks cannot see tensors saved inside attention":
+                   "The saved-tensor hooks see every tensor autograd saves, attention's included.",
+               "fp32 stores the attention scores at half the size of bf16":
+                   "It is the other way round: fp32 is 4 bytes per value, bf16 2.",
+           },
+           key="134a5d68afd622f2b838"),
+)""", metadata={'jupyter': {'source_hidden': True}, 'tags': ['quiz']}),
+md("""### Score
+
+The score below updates as you answer. In a headless run (papermill), pass your answers as the `QUIZ_ANSWERS`
+parameter, `{"question id": "option text" or a number}`; the ids are printed with the questions."""),
+code("""QUIZ.answer_all(QUIZ_ANSWERS)  # answers given as a parameter (headless runs); the widgets above add yours
+QUIZ.scoreboard()
 print(f"\\nnotebook experiments took {time.time() - T_START:.1f} s")"""),
 ]
 nb.cells = cells
 nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-nbf.write(nb, Path(__file__).resolve().parent.parent / "notebooks" / "01_memory_anatomy.ipynb")
+OUT = Path(__file__).resolve().parent.parent / "notebooks" / "01_memory_anatomy.ipynb"
+keep_ids(nb.cells, OUT)
+nbf.write(nb, OUT)
