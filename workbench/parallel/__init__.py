@@ -30,6 +30,7 @@ class ParallelConfig:
     lr: float = 3e-3
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
+    sp: bool = False  # sequence parallelism over the tp axis (needs tp > 1)
 
 
 @dataclass
@@ -78,6 +79,9 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     then the data-parallel strategy over the dp axis, and build the optimizer."""
     if cfg.zero not in ZERO_STAGES:
         raise ValueError(f"zero stage {cfg.zero!r}; valid: {ZERO_STAGES}")
+    if cfg.sp and mesh.tp_size == 1:
+        raise ValueError("sequence parallelism needs tp > 1: it shards the sequence over the tp ranks; "
+                         "set tp >= 2 or turn sp off")
     if mesh.tp_size > 1:
         return _with_tensor_parallel(model, mesh, cfg)
     return _data_parallel(model, mesh, cfg)
@@ -96,18 +100,23 @@ def _data_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallel
 def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
     """TP inside, DP/ZeRO-1 outside (Megatron's order: tp groups are the fastest-varying ranks). The data
     parallel wrapper sees this rank's shards as ordinary parameters; clipping and the full parameters need
-    the tp group, so those two come from ``tensor``."""
-    from workbench.parallel import tensor
+    the tp group, so those two come from ``tensor``. With ``cfg.sp`` the same plan is applied with sequence
+    parallelism, and ``finish_grad_sync`` also sums the sequence-sharded parameters' gradients over tp."""
+    from workbench.parallel import sequence, tensor
 
     if cfg.zero not in TP_ZERO_STAGES:
         raise ValueError(f"ZeRO-{cfg.zero} with tensor parallelism (tp={mesh.tp_size}) is not composed yet; "
                          f"valid with tp > 1: zero in {TP_ZERO_STAGES}")
-    tensor.apply_tensor_parallel(model, mesh)
+    (sequence.apply_sequence_parallel if cfg.sp else tensor.apply_tensor_parallel)(model, mesh)
     inner = _data_parallel(model, mesh, cfg)
+    finish = inner.finish_grad_sync
+    if cfg.sp:  # sum the sequence-sharded parameters' partial gradients over tp once the dp sync is done
+        finish = lambda: (inner.finish_grad_sync(), sequence.all_reduce_sequence_parallel_grads(model, mesh))  # noqa: E731
     # Clip the unsplit gradients across tp, in place, before the optimizer (ZeRO-1 builds its shard at step).
     clip = lambda max_norm: tensor.clip_grad_norm_(model, max_norm, mesh)  # noqa: E731
-    return replace(inner, clip_grad_norm=clip, full_parameters=lambda: tensor.full_parameters(model, mesh),
-                   describe=f"TP={mesh.tp_size} + {inner.describe}")
+    return replace(inner, finish_grad_sync=finish, clip_grad_norm=clip,
+                   full_parameters=lambda: tensor.full_parameters(model, mesh),
+                   describe=f"TP={mesh.tp_size}{' + SP' if cfg.sp else ''} + {inner.describe}")
 
 
 def _single(model: nn.Module, cfg: ParallelConfig) -> Parallelized:

@@ -30,6 +30,11 @@ the model instance (gpt.py is untouched): it calls the model's own forward witho
 exponentials; tag ``"tp_loss"``) and never gathers the b·s·V logits. Called without targets the
 parallelized model returns this rank's vocab slice of the logits.
 
+**The plan.** ``gpt_plan`` names a style per module (column / row / vocab_embedding / vocab_head, "copy_input"
+for a column region's entry, "sequence" for the LayerNorms and the position embedding that TP leaves
+replicated); ``apply_plan`` realises it with ``TensorParallelStyles``. Sequence parallelism
+(``workbench.parallel.sequence``) is the same plan realised with ``SequenceParallelStyles``.
+
 Parameters keep their names and hold this rank's shard; ``full_parameters``/``full_gradients`` gather them
 (tag ``"tp_gather"``) into the unsplit tensors one process would hold. Each layer is cut from the full,
 seeded layer (``ColumnParallelLinear.from_linear``...), so tp=N starts exactly where tp=1 does.
@@ -53,7 +58,7 @@ VOCAB_TAG = "tp_vocab"  # g after the vocab-parallel embedding, f before the voc
 LOSS_TAG = "tp_loss"  # the vocab-parallel cross-entropy's three per-token all-reduces
 GATHER_TAG = "tp_gather"  # gathering shards into full tensors (checks, checkpoints): not part of a step
 
-STYLES = ("copy_input", "column", "row", "vocab_embedding", "vocab_head")
+STYLES = ("copy_input", "column", "row", "vocab_embedding", "vocab_head", "sequence")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,8 +219,12 @@ class RowParallelLinear(nn.Module):
         return cls(weight, bias, tp, tag)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_from_tp_region(F.linear(x, self.weight), self.tp.group, self.tag)  # [..., out]
+        out = self.reduce(F.linear(x, self.weight))  # [..., out]
         return out if self.bias is None else out + self.bias
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """g: sum the ranks' partial products (sequence parallelism overrides this with a reduce-scatter)."""
+        return reduce_from_tp_region(partial, self.tp.group, self.tag)
 
     def extra_repr(self) -> str:
         out_features, in_local = self.weight.shape
@@ -250,7 +259,11 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.vocab_start  # [b, s]; in [0, V/tp) exactly where this rank owns the token
         owned = (local >= 0) & (local < self.weight.shape[0])
         rows = F.embedding(local.masked_fill(~owned, 0), self.weight)  # [b, s, d], row 0 as a placeholder
-        return reduce_from_tp_region(rows.masked_fill(~owned.unsqueeze(-1), 0.0), self.tp.group, self.tag)
+        return self.reduce(rows.masked_fill(~owned.unsqueeze(-1), 0.0))
+
+    def reduce(self, rows: torch.Tensor) -> torch.Tensor:
+        """g: sum the ranks' masked lookups (sequence parallelism overrides this with a reduce-scatter)."""
+        return reduce_from_tp_region(rows, self.tp.group, self.tag)
 
     def extra_repr(self) -> str:
         rows, dim = self.weight.shape
@@ -314,14 +327,18 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
 # ---------------------------------------------------------------------------------------------------------
 # The plan: module name -> style, applied from outside the model (torchtitan's shape).
 
-#: One GPT block (names relative to the block). "copy_input" applies f once to the module's input, so q, k
-#: and v share one backward all-reduce of dL/dX instead of three.
+#: One GPT block (names relative to the block). "copy_input" marks the entry of a column region: TP applies
+#: f once to the module's input, so q, k and v share one backward all-reduce of dL/dX instead of three.
+#: "sequence" marks what TP leaves replicated (the LayerNorms): untouched here, run on this rank's slice of
+#: the sequence under sequence parallelism (``workbench.parallel.sequence``), the same plan with SP's styles.
 BLOCK_PLAN: dict[str, str] = {
+    "ln1": "sequence",  # LayerNorm on [b, s, h], replicated
     "attn": "copy_input",  # f on ln1(x) [b, s, h]
     "attn.q": "column",  # [h, h] -> [h/tp, h]: H/tp whole heads per rank
     "attn.k": "column",
     "attn.v": "column",
     "attn.proj": "row",  # [h, h] -> [h, h/tp]; g sums the heads' contributions [b, s, h]
+    "ln2": "sequence",
     "mlp": "copy_input",  # f on ln2(x) [b, s, h]
     "mlp.fc": "column",  # [4h, h] -> [4h/tp, h]; GeLU per column, no communication (§3)
     "mlp.proj": "row",  # [h, 4h] -> [h, 4h/tp]; g
@@ -329,40 +346,68 @@ BLOCK_PLAN: dict[str, str] = {
 
 
 def gpt_plan(n_layer: int) -> dict[str, str]:
-    """The whole tiny GPT: every block by ``BLOCK_PLAN``, embedding and tied head along the vocabulary."""
-    plan = {"wte": "vocab_embedding", "lm_head": "vocab_head"}
+    """The whole tiny GPT: every block by ``BLOCK_PLAN``, embedding and tied head along the vocabulary, the
+    position embedding and the final LayerNorm as "sequence" modules."""
+    plan = {"wte": "vocab_embedding", "wpe": "sequence"}
     for i in range(n_layer):
         plan.update({f"blocks.{i}.{name}": style for name, style in BLOCK_PLAN.items()})
-    return plan
+    return {**plan, "ln_f": "sequence", "lm_head": "vocab_head"}
 
 
 def _check_plan(model: nn.Module, plan: dict[str, str]) -> None:
     """Every entry names a module of ``model`` of the right kind and a known style."""
-    wants = {"column": nn.Linear, "row": nn.Linear, "vocab_head": nn.Linear, "vocab_embedding": nn.Embedding}
+    wants = {"column": (nn.Linear,), "row": (nn.Linear,), "vocab_head": (nn.Linear,),
+             "vocab_embedding": (nn.Embedding,), "sequence": (nn.LayerNorm, nn.Embedding)}
     modules = dict(model.named_modules())
     for name, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"tensor-parallel plan: unknown style {style!r} for {name!r}; valid: {STYLES}")
         if name not in modules:
             raise ValueError(f"tensor-parallel plan: the model has no module {name!r}")
-        if style in wants and type(modules[name]) is not wants[style]:
+        if style in wants and type(modules[name]) not in wants[style]:
+            kinds = " or ".join(f"nn.{kind.__name__}" for kind in wants[style])
             raise ValueError(f"tensor-parallel plan: {name!r} is a {type(modules[name]).__name__}; "
-                             f"style {style!r} needs nn.{wants[style].__name__}")
+                             f"style {style!r} needs {kinds}")
 
 
-def _input_copied_by_parent(name: str, plan: dict[str, str]) -> bool:
+class TensorParallelStyles:
+    """How ``apply_plan`` realises each style of a plan over the tp group ``tp``: one method per style.
+
+    ``copy_input(module)`` hooks the entry of a column region and returns a *region* value; every other
+    style's method takes (module, region: what the nearest enclosing "copy_input" returned, else None) and
+    returns the module to put in its place. ``workbench.parallel.sequence.SequenceParallelStyles`` overrides
+    these methods, which is all that separates TP from TP+SP: one plan, two sets of styles."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+
+    def copy_input(self, module: nn.Module) -> Any:
+        """f on the module's input (a forward pre-hook); the column layers inside skip their own."""
+        module.register_forward_pre_hook(_copy_input_hook(self.tp))
+        return TP_TAG  # the region value: "the parent applies f"
+
+    def column(self, linear: nn.Linear, region: Any) -> nn.Module:
+        return ColumnParallelLinear.from_linear(linear, self.tp, copy_input=region is None)
+
+    def vocab_head(self, linear: nn.Linear, region: Any) -> nn.Module:
+        return ColumnParallelLinear.from_linear(linear, self.tp, copy_input=region is None, tag=VOCAB_TAG)
+
+    def row(self, linear: nn.Linear, region: Any) -> nn.Module:
+        return RowParallelLinear.from_linear(linear, self.tp)
+
+    def vocab_embedding(self, embedding: nn.Embedding, region: Any) -> nn.Module:
+        return VocabParallelEmbedding.from_embedding(embedding, self.tp)
+
+    def sequence(self, module: nn.Module, region: Any) -> nn.Module:
+        """Replicated: f makes dL/dX whole before it reaches the module, so its gradient is whole too."""
+        return module
+
+
+def _region_of(name: str, regions: dict[str, Any]) -> Any:
+    """The region value of the nearest enclosing "copy_input" module, or None."""
     parts = name.split(".")
-    return any(plan.get(".".join(parts[:i])) == "copy_input" for i in range(1, len(parts)))
-
-
-def _split(module: nn.Module, style: str, tp: TPGroup, parent_copies: bool) -> nn.Module:
-    if style == "column":
-        return ColumnParallelLinear.from_linear(module, tp, copy_input=not parent_copies)
-    if style == "vocab_head":
-        return ColumnParallelLinear.from_linear(module, tp, copy_input=not parent_copies, tag=VOCAB_TAG)
-    if style == "row":
-        return RowParallelLinear.from_linear(module, tp)
-    return VocabParallelEmbedding.from_embedding(module, tp)
+    enclosing = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in regions]
+    return regions[enclosing[0]] if enclosing else None
 
 
 def _copy_input_hook(tp: TPGroup) -> Any:
@@ -408,25 +453,29 @@ def _check_group(tp: TPGroup) -> None:
                          f"workbench.launch(fn, {tp.size}) (or on a mesh whose tp axis has {tp.size} ranks)")
 
 
-def apply_plan(model: nn.Module, plan: dict[str, str], mesh_or_group: Any) -> nn.Module:
+def apply_plan(model: nn.Module, plan: dict[str, str], mesh_or_group: Any,
+               styles: type[TensorParallelStyles] = TensorParallelStyles) -> nn.Module:
     """Split ``model`` in place by ``plan`` (module name -> style in ``STYLES``); return it.
 
-    "column" / "row" / "vocab_embedding" / "vocab_head" replace the named module by its parallel version,
-    cut from the module's own weights; "copy_input" applies f to the module's input (a forward pre-hook)
-    and makes the column layers inside it skip their own. Tied parameters stay tied. Every check (styles,
-    module kinds, ties, the group) runs before the first module is replaced."""
+    With TP's ``styles`` (the default): "column" / "row" / "vocab_embedding" / "vocab_head" replace the named
+    module by its parallel version, cut from the module's own weights; "copy_input" applies f to the module's
+    input (a forward pre-hook) and makes the column layers inside it skip their own; "sequence" leaves the
+    module replicated. ``sequence.SequenceParallelStyles`` realises the same plan with sequence parallelism.
+    Tied parameters stay tied. Every check (styles, module kinds, ties, the group) runs before the first
+    module is replaced."""
     _check_plan(model, plan)
     ties = _tied_parameters(model)
     _check_ties(plan, ties)
     tp = tp_group_of(mesh_or_group)
     _check_group(tp)
+    realise = styles(tp)
+    regions = {name: realise.copy_input(model.get_submodule(name))
+               for name, style in plan.items() if style == "copy_input"}  # before their column layers
     for name, style in plan.items():
-        if style == "copy_input":
-            model.get_submodule(name).register_forward_pre_hook(_copy_input_hook(tp))
-            continue
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, leaf, _split(getattr(parent, leaf), style, tp, _input_copied_by_parent(name, plan)))
+        if style != "copy_input":
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, leaf, getattr(realise, style)(getattr(parent, leaf), _region_of(name, regions)))
     _retie(model, ties)
     return model
 
@@ -456,15 +505,16 @@ def _vocab_parallel_forward(self: nn.Module, idx: torch.Tensor, targets: torch.T
     return vocab_parallel_cross_entropy(local_logits, targets, self.lm_head.tp)
 
 
-def apply_tensor_parallel(model: nn.Module, mesh_or_group: Any) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, mesh_or_group: Any,
+                          styles: type[TensorParallelStyles] = TensorParallelStyles) -> nn.Module:
     """Make the tiny GPT tensor-parallel over the tp axis of ``mesh_or_group``, in place; return it.
 
     Attention heads and the MLP are split by ``BLOCK_PLAN``, embedding and tied head along the vocabulary,
     and the loss becomes ``vocab_parallel_cross_entropy`` (see the module docstring). Sizes that tp does not
-    divide raise ValueError before anything is changed or communicated."""
+    divide raise ValueError before anything is changed or communicated. ``styles``: see ``apply_plan``."""
     tp = tp_group_of(mesh_or_group)
     check_tensor_parallel_sizes(model.cfg, tp.size)
-    apply_plan(model, gpt_plan(model.cfg.n_layer), tp)
+    apply_plan(model, gpt_plan(model.cfg.n_layer), tp, styles)
     model.forward = types.MethodType(_vocab_parallel_forward, model)
     return model
 
@@ -526,7 +576,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh_or_group: Any) -> fl
 
 __all__ = [
     "BLOCK_PLAN", "STYLES", "ColumnParallelLinear", "CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion",
-    "RowParallelLinear", "TPGroup", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "apply_plan",
-    "apply_tensor_parallel", "check_tensor_parallel_sizes", "clip_grad_norm_", "copy_to_tp_region", "full_gradients",
-    "full_parameters", "gpt_plan", "reduce_from_tp_region", "tp_group_of", "vocab_parallel_cross_entropy",
+    "RowParallelLinear", "TPGroup", "TensorParallelStyles", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
+    "apply_plan", "apply_tensor_parallel", "check_tensor_parallel_sizes", "clip_grad_norm_", "copy_to_tp_region",
+    "full_gradients", "full_parameters", "gpt_plan", "reduce_from_tp_region", "tp_group_of",
+    "vocab_parallel_cross_entropy",
 ]

@@ -232,6 +232,74 @@ def tp_vocab_collectives(batch: int, seq: int, d_model: int,
             "backward": [("all_reduce", activation)]}
 
 
+def sp_block_collectives(batch: int, seq: int, d_model: int, bytes_per_elem: float = 4,
+                         regather: bool = True) -> dict[str, list[tuple[str, float]]]:
+    """Sequence parallelism's collectives in one transformer block for one step, as (op, S) per pass.
+
+    Korthikanti et al. 2022, §4.2.2: each of TP's all-reduces becomes a reduce-scatter plus an all-gather
+    along the sequence. Attention and the MLP each start with g (all-gather forward, reduce-scatter
+    backward) and end with ḡ (reduce-scatter forward, all-gather backward), so per block, in the order
+    ``workbench.parallel.sequence`` runs them:
+
+        forward:  all-gather (g), reduce-scatter (ḡ)                          for attention, then the MLP
+        backward: all-gather (ḡ), [all-gather (re-gather)], reduce-scatter (g)  for the MLP, then attention
+
+    each with S = b·s·h·bytes_per_elem, the full tensor (a reduce-scatter's input, an all-gather's output).
+    ``regather``: the column layers store their input's shard [b, s/t, h] and all-gather it again in backward
+    for dL/dW (Megatron-LM's implementation; what makes the paper's activation count 34/t). Without it the
+    column layers would keep the gathered input and SP would move exactly TP's bytes.
+    """
+    for name, value in (("batch", batch), ("seq", seq), ("d_model", d_model)):
+        _check_world(name, value)
+    size = float(batch * seq * d_model) * bytes_per_elem
+    backward = [("all_gather", size)] * (2 if regather else 1) + [("reduce_scatter", size)]
+    return {"forward": [("all_gather", size), ("reduce_scatter", size)] * 2, "backward": backward * 2}
+
+
+def sp_block_volume(batch: int, seq: int, d_model: int, tp: int, bytes_per_elem: float = 4,
+                    regather: bool = True) -> dict[str, float]:
+    """Bytes of one sequence-parallel block per step (forward + backward), in ``tp_block_volume``'s forms.
+
+    "tensor": the sum of S over the collectives (the comm log's ``nbytes``): 10·b·s·h·bytes (8 without the
+    re-gathers, against TP's 4 all-reduces of S); "logical": the textbook count, a reduce-scatter or an
+    all-gather moving S: the same 10 (8) b·s·h·bytes, against TP's 8; "ring_wire": what each rank sends,
+    (tp−1)/tp · S per collective. Without the re-gathers every figure but "tensor" equals TP's.
+    """
+    _check_world("tp", tp)
+    ops = [c for phase in sp_block_collectives(batch, seq, d_model, bytes_per_elem, regather).values() for c in phase]
+    return {"tensor": sum(s for _, s in ops), "logical": sum(s for _, s in ops),
+            "ring_wire": sum(bus_bytes(op, s, tp) for op, s in ops)}
+
+
+def sp_vocab_collectives(batch: int, seq: int, d_model: int,
+                         bytes_per_elem: float = 4) -> dict[str, list[tuple[str, float]]]:
+    """The collectives of the embedding, head and loss per step under sequence parallelism.
+
+    The vocab-parallel embedding ends with ḡ (reduce-scatter of b·s·h forward, all-gather backward); the
+    vocab-parallel head starts with g (all-gather forward; backward a re-gather of its stored input and a
+    reduce-scatter), so the loss sees every token; the loss's three per-token all-reduces are TP's
+    (``tp_vocab_collectives``).
+    """
+    for name, value in (("batch", batch), ("seq", seq), ("d_model", d_model)):
+        _check_world(name, value)
+    activation = float(batch * seq * d_model) * bytes_per_elem
+    per_token = float(batch * seq) * 4
+    return {"forward": [("reduce_scatter", activation), ("all_gather", activation)] + [("all_reduce", per_token)] * 3,
+            "backward": [("all_gather", activation), ("reduce_scatter", activation), ("all_gather", activation)]}
+
+
+def sp_grad_collectives(d_model: int, n_layer: int, seq: int, bytes_per_elem: float = 4) -> list[tuple[str, float]]:
+    """The all-reduce over tp of the parameters used on a slice of the sequence, once per step.
+
+    Their gradients are partial sums over each rank's positions: per block the two LayerNorms (2·2h) and the
+    two row layers' biases, added after ḡ (2h); the final LayerNorm (2h) and the position embedding
+    (seq·h). One flat all-reduce of (6·n_layer + 2 + seq)·h elements.
+    """
+    for name, value in (("d_model", d_model), ("n_layer", n_layer), ("seq", seq)):
+        _check_world(name, value)
+    return [("all_reduce", float((6 * n_layer + 2 + seq) * d_model) * bytes_per_elem)]
+
+
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
     """Least-squares fit of t = α + S/B to measurements; returns (α seconds, B bytes/s).
 
@@ -255,6 +323,6 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
 __all__ = [
     "OPS", "algorithm_bandwidth", "all_gather_time", "bus_bandwidth", "bus_bytes", "canonical_op",
     "dp_step_collectives", "dp_step_volume", "fit_alpha_beta", "hierarchical_allreduce_time",
-    "reduce_scatter_time", "ring_allreduce_time", "tp_block_collectives", "tp_block_volume", "tp_vocab_collectives",
-    "tree_allreduce_time",
+    "reduce_scatter_time", "ring_allreduce_time", "sp_block_collectives", "sp_block_volume", "sp_grad_collectives",
+    "sp_vocab_collectives", "tp_block_collectives", "tp_block_volume", "tp_vocab_collectives", "tree_allreduce_time",
 ]

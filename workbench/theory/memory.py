@@ -264,8 +264,83 @@ def _layer_linear_bytes(sbh: float, p: float, dropout: bool, tp: int, sp: bool) 
     return (unsplit + split / tp) * sbh
 
 
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        _check_positive_int(name, value)
+
+
+def gpt_block_activation_bytes(
+    batch: int,
+    seq_len: int,
+    d_model: int,
+    n_head: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    bytes_per_value: float = 4,
+) -> float:
+    """Bytes autograd saves for one block of ``workbench.models.gpt`` on one rank: what the ledger's
+    ``activations`` category measures (saved-tensor hooks, one count per storage, parameters excluded).
+
+    Korthikanti et al. 2022, §4.2.2 count per layer sbh(10 + 24/t + 5as/(ht)) with tensor parallelism and
+    sbh(34/t + 5as/(ht)) with sequence parallelism too, for 2-byte activations and dropout
+    (``activation_bytes``). Adapted to this GPT, which has no dropout and runs attention in the fused
+    scaled-dot-product kernel PyTorch uses on the CPU, with p = ``bytes_per_value`` and t = ``tp``:
+
+    - kept whole by TP, split by SP: the two LayerNorm inputs 2p·sbh, their outputs (the q/k/v and fc
+      inputs; under SP the column layers store this rank's shard) 2p·sbh, and each LayerNorm's fp32 mean
+      and 1/std per position, 2·2·4·sb;
+    - split by TP: q, k, v 3p·sbh; the attention output (the out-projection's input is a view of it)
+      p·sbh; the GeLU's input and output 8p·sbh; the kernel's fp32 log-sum-exp per head and position 4·asb,
+      in place of the paper's 5as²b (softmax, its dropout and the mask: the fused kernel recomputes them).
+
+    TP: (4p·sbh + 16sb) + (12p·sbh + 4asb)/t; TP+SP: (16p·sbh + 16sb + 4asb)/t. At p = 2 the sbh part is
+    the paper's sbh(10 + 24/t) less the two 1-byte dropout masks: sbh(8 + 24/t), and 32/t with SP.
+    """
+    _check_sizes(batch=batch, seq_len=seq_len, d_model=d_model, n_head=n_head, tp=tp)
+    sbh, sb = float(seq_len) * batch * d_model, float(seq_len) * batch
+    whole = 4 * bytes_per_value * sbh + 16 * sb  # LayerNorm inputs, outputs, statistics
+    split = 12 * bytes_per_value * sbh + 4 * n_head * sb  # q, k, v, attention output, GeLU in/out, lse
+    return (whole + split) / tp if sequence_parallel else whole + split / tp
+
+
+def gpt_activation_bytes(
+    batch: int,
+    seq_len: int,
+    d_model: int,
+    n_layer: int,
+    n_head: int,
+    vocab_size: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    bytes_per_value: float = 4,
+) -> dict[str, float]:
+    """Saved-activation bytes of one forward of the tensor-parallel GPT (``apply_tensor_parallel`` or
+    ``apply_sequence_parallel``) on one rank, by part, with "total"; what ``Tracer.activations`` measures.
+
+    - "blocks": n_layer × ``gpt_block_activation_bytes``;
+    - "final_norm_and_head": the final LayerNorm's input p·sbh and statistics 8sb, the head's input p·sbh
+      (split by SP: the LayerNorm runs on the shard, the head stores it);
+    - "embedding_and_loss", the same with and without SP: token ids (int64, 8sb) and the ownership mask
+      (bool, sb) of the vocab-parallel lookup, the position ids (8s), and the vocab-parallel loss's softmax
+      over this rank's vocabulary slice (fp32, 4sb·V/t), target ids (8sb) and ownership mask (sb).
+
+    The unsplit model's ``F.cross_entropy`` saves other tensors, so "embedding_and_loss" describes the
+    vocab-parallel path only (tp = 1 included).
+    """
+    _check_sizes(n_layer=n_layer, vocab_size=vocab_size, tp=tp, batch=batch, seq_len=seq_len)
+    sbh, sb = float(seq_len) * batch * d_model, float(seq_len) * batch
+    block = gpt_block_activation_bytes(batch, seq_len, d_model, n_head, tp, sequence_parallel, bytes_per_value)
+    ends = 2 * bytes_per_value * sbh + 8 * sb
+    parts = {
+        "blocks": n_layer * block,
+        "final_norm_and_head": ends / tp if sequence_parallel else ends,
+        "embedding_and_loss": 9 * sb + 8.0 * seq_len + 4 * sb * vocab_size / tp + 9 * sb,
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
 __all__ = [
     "BYTE_UNITS", "CATEGORIES", "OPTIMIZERS", "PRECISIONS", "RECOMPUTE_MODES", "ZERO_STAGES",
-    "activation_bytes", "formula", "model_state_bytes", "offloaded_bytes", "to_unit",
-    "total_bytes",
+    "activation_bytes", "formula", "gpt_activation_bytes", "gpt_block_activation_bytes", "model_state_bytes",
+    "offloaded_bytes", "to_unit", "total_bytes",
 ]
