@@ -262,7 +262,9 @@ def test_comm_rejects_bad_inputs():
 
 def test_theory_imports_only_stdlib_and_itself():
     """theory is the bottom layer: no torch, nothing of workbench outside workbench.theory (DESIGN.md)."""
-    allowed = {"__future__", "math", "workbench"}
+    import sys
+
+    allowed = set(sys.stdlib_module_names) | {"__future__", "workbench"}
     for path in Path(workbench.theory.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
