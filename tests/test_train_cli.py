@@ -27,11 +27,22 @@ LOSS_RTOL = 2e-4
     (dict(model="huge"), "unknown model 'huge'"),
     (dict(steps=0), "steps must be a positive int"),
     (dict(offload=True), "offload needs a ZeRO stage"),
-    (dict(nproc=2, dp=4), "dp x tp = 4 x 1 = 4 but nproc=2"),
-    (dict(nproc=4, tp=3), "dp x tp = 1 x 3 = 3 but nproc=4"),
+    (dict(nproc=2, dp=4), "dp x tp x pp = 4 x 1 x 1 = 4 but nproc=2"),
+    (dict(nproc=4, tp=3), "dp x tp x pp = 1 x 3 x 1 = 3 but nproc=4"),
     (dict(nproc=3, tp=3), "tp=3 must divide the GPT's n_head"),
     (dict(nproc=2, tp=2, zero=2), "ZeRO-2/3 are not composed with tensor parallelism"),
     (dict(nproc=2, tp=0), "tp must be a positive int"),
+    (dict(nproc=2, tp=2, sp=True, seq_len=33), "seq_len"),
+    (dict(nproc=1, sp=True), "sp \\(sequence parallelism\\) needs tp > 1"),
+    (dict(nproc=2, pp=2, schedule="2f2b"), "unknown pipeline schedule '2f2b'; valid: naive, gpipe, 1f1b"),
+    (dict(nproc=4, pp=4), "stages"),
+    (dict(nproc=2, pp=2, microbatches=1), "micro-batches"),
+    (dict(nproc=2, pp=2, schedule="interleaved", virtual_stages=2), "4 pipeline stages but the model has only 2"),
+    (dict(nproc=2, pp=2, schedule="interleaved", virtual_stages=2, model="small", microbatches=3),
+     "multiple of"),
+    (dict(nproc=4, pp=2), "pipeline parallelism composes with dp=1"),
+    (dict(nproc=2, pp=2, batch_size=6, microbatches=4), "batch_size=6 must divide into dp x microbatches"),
+    (dict(nproc=1, microbatches=4), "pipeline settings: they need pp > 1"),
 ])
 def test_bad_config_is_rejected_before_spawning(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -93,6 +104,9 @@ STRATEGIES = [
     dict(nproc=2, grad_accum=2), dict(nproc=2, zero=1), dict(nproc=2, zero=2), dict(nproc=2, zero=3),
     dict(nproc=4, zero=3, grad_accum=2), dict(nproc=2, zero=3, offload=True), dict(nproc=2, zero=1, offload=True),
     dict(nproc=2, tp=2), dict(nproc=4, tp=2, ddp="bucketed"), dict(nproc=4, tp=2, zero=1, grad_accum=2),
+    dict(nproc=2, tp=2, sp=True), dict(nproc=4, tp=2, sp=True, zero=1),
+    dict(nproc=2, pp=2, schedule="naive", microbatches=2), dict(nproc=2, pp=2, schedule="gpipe", microbatches=4),
+    dict(nproc=2, pp=2, schedule="1f1b", microbatches=4), dict(nproc=2, pp=2, schedule="zb", microbatches=4),
 ]
 
 

@@ -15,6 +15,9 @@ from typing import Any
 
 from workbench.launch import VALID_BACKENDS, VALID_DEVICES
 from workbench.parallel import DDP_KINDS, ZERO_STAGES
+from workbench.theory.pipeline import SCHEDULES
+
+PIPELINE_SCHEDULES = tuple(SCHEDULES)
 
 
 def _run_parser(sub: Any) -> None:
@@ -23,6 +26,11 @@ def _run_parser(sub: Any) -> None:
                    help="number of ranks (1 = the single-process baseline; under torchrun: its WORLD_SIZE)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: nproc / tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads, MLP and vocabulary split)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism over the tp ranks (needs --tp > 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages of layers)")
+    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default 2 x pp)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (--schedule interleaved)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, split across data-parallel ranks")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
@@ -58,7 +66,9 @@ def _config_from_args(args: argparse.Namespace) -> Any:
         nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
     if args.clip is not None and args.clip < 0:
         raise ValueError(f"clip must be >= 0 (0 disables clipping), got {args.clip}")
-    return RunConfig(model=args.model, seq_len=args.seq_len, nproc=nproc, dp=args.dp, tp=args.tp, steps=args.steps,
+    return RunConfig(model=args.model, seq_len=args.seq_len, nproc=nproc, dp=args.dp, tp=args.tp, pp=args.pp,
+                     sp=args.sp, schedule=args.schedule, microbatches=args.microbatches,
+                     virtual_stages=args.virtual_stages, steps=args.steps,
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
                      zero=args.zero, offload=args.offload, data=args.data, timeout=args.timeout,

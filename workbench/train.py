@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,11 @@ class RunConfig:
     nproc: int = 1
     dp: int | None = None
     tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"  # pipeline schedule: naive, gpipe, 1f1b, interleaved, zb
+    microbatches: int | None = None  # the pipeline's micro-batches per step (default: 2 x pp)
+    virtual_stages: int = 1  # stages per rank (interleaved)
+    sp: bool = False  # sequence parallelism (needs tp > 1)
     steps: int = 50
     batch_size: int = 16
     grad_accum: int = 1
@@ -58,8 +62,11 @@ class RunConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        model_parallel = self.tp * self.pp if all(isinstance(v, int) and v > 0 for v in (self.tp, self.pp)) else 1
         if self.dp is None:
-            self.dp = self.nproc // self.tp if isinstance(self.tp, int) and self.tp > 0 else self.nproc
+            self.dp = max(1, self.nproc // model_parallel)
+        if self.microbatches is None:
+            self.microbatches = 2 * self.pp if isinstance(self.pp, int) and self.pp > 1 else 1
         self.validate()
 
     def validate(self) -> None:
@@ -71,9 +78,19 @@ class RunConfig:
         if self.model not in PRESETS:
             raise ValueError(f"unknown model {self.model!r}; valid: {sorted(PRESETS)}")
         _positive_int("tp", self.tp)
-        if self.dp * self.tp != self.nproc:
-            raise ValueError(f"dp x tp = {self.dp} x {self.tp} = {self.dp * self.tp} but nproc={self.nproc}: the "
-                             f"mesh must use every rank; leave --dp out to get nproc / tp")
+        _positive_int("pp", self.pp)
+        if self.dp * self.tp * self.pp != self.nproc:
+            raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.dp * self.tp * self.pp} but "
+                             f"nproc={self.nproc}: the mesh must use every rank; leave --dp out to get "
+                             f"nproc / (tp x pp)")
+        if self.sp and self.tp == 1:
+            raise ValueError("sp (sequence parallelism) needs tp > 1: it shards what tensor parallelism leaves "
+                             "replicated along the sequence")
+        if self.sp:
+            from workbench.parallel.sequence import check_sequence_parallel_sizes
+
+            check_sequence_parallel_sizes(self.gpt_config(), self.tp)
+        self._validate_pipeline()
         if self.tp > 1:
             from workbench.parallel import TP_ZERO_STAGES
             from workbench.parallel.tensor import check_tensor_parallel_sizes
@@ -107,6 +124,25 @@ class RunConfig:
         if self.seq_len is not None:
             _positive_int("seq_len", self.seq_len)
         self._validate_data()
+
+    def _validate_pipeline(self) -> None:
+        """Schedule, micro-batches and stages checked here, before any rank starts."""
+        from workbench.parallel import PP_COMPOSES_WITH
+        from workbench.theory.pipeline import validate
+
+        _positive_int("microbatches", self.microbatches)
+        _positive_int("virtual_stages", self.virtual_stages)
+        if self.pp == 1:
+            if self.schedule != "1f1b" or self.microbatches != 1 or self.virtual_stages != 1:
+                raise ValueError("schedule, microbatches and virtual_stages are pipeline settings: they need pp > 1")
+            return
+        validate(self.schedule, self.pp, self.microbatches, self.virtual_stages, self.gpt_config().n_layer)
+        if self.dp > 1 or self.tp > 1 or self.zero or self.grad_accum != 1:
+            raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got dp={self.dp}, "
+                             f"tp={self.tp}, zero={self.zero}, grad_accum={self.grad_accum}")
+        if self.batch_size % (self.dp * self.microbatches):
+            raise ValueError(f"batch_size={self.batch_size} must divide into dp x microbatches = {self.dp} x "
+                             f"{self.microbatches}; use a multiple of {self.dp * self.microbatches}")
 
     def _validate_data(self) -> None:
         """The corpus must hold at least one global batch of windows, checked here rather than in a rank."""
@@ -162,7 +198,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None) -> None:
         self.cfg = cfg
-        self.mesh = mesh or Mesh(dp=cfg.dp, tp=cfg.tp)
+        self.mesh = mesh or Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
         self.device = self.mesh.device
         model_cfg = cfg.gpt_config()
         self.dataset = make_lm_data(model_cfg.seq_len, cfg.data)  # host memory; each batch moves to the device
@@ -172,7 +208,8 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.strategy = parallelize(model, self.mesh, ParallelConfig(
             ddp=cfg.ddp, bucket_mb=cfg.bucket_mb, zero=cfg.zero, offload=cfg.offload, lr=cfg.lr,
-            weight_decay=cfg.weight_decay))
+            weight_decay=cfg.weight_decay, sp=cfg.sp, grad_accum=cfg.grad_accum, schedule=cfg.schedule,
+            microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages))
         self.step_index = 0
         self.tokens_per_step = cfg.batch_size * model_cfg.seq_len
 
@@ -188,11 +225,7 @@ class Trainer:
             group["lr"] = lr
         with trace.span("data", "data"):
             x, y = self.dataset.get(self.sampler.indices(self.step_index), device=self.device)
-        local_loss = torch.zeros((), device=self.device)
-        for micro, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True)):
-            last = micro == cfg.grad_accum - 1
-            with s.no_sync() if not last else nullcontext():
-                local_loss += self._forward_backward(xm, ym, tracer).detach()
+        local_loss = s.forward_backward(x, y)  # the strategy owns its micro-batches (accumulation or a pipeline)
         with trace.span("grad sync wait", "wait"):
             s.finish_grad_sync()
         with trace.span("optimizer", "optimizer"):
@@ -210,16 +243,6 @@ class Trainer:
             tracer.record_metrics(metrics)
         self.step_index += 1
         return metrics
-
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, tracer: trace.Tracer | None) -> torch.Tensor:
-        activations = tracer.activations() if tracer is not None else nullcontext()
-        with trace.span("forward", "forward"), activations:
-            loss = self.strategy.model(x, y) / self.cfg.grad_accum
-        with trace.span("backward", "backward"):
-            loss.backward()
-        if tracer is not None:
-            tracer.release_activations()
-        return loss
 
 
 def train_rank(cfg: RunConfig) -> dict[str, Any]:

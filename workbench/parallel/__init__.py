@@ -31,6 +31,10 @@ class ParallelConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     sp: bool = False  # sequence parallelism over the tp axis (needs tp > 1)
+    grad_accum: int = 1  # micro-batches per step of the default forward_backward
+    schedule: str = "1f1b"  # pipeline schedule over the pp axis (workbench.theory.pipeline.SCHEDULES)
+    microbatches: int = 4  # the pipeline's micro-batches per step
+    virtual_stages: int = 1  # stages per rank (interleaved schedule)
 
 
 @dataclass
@@ -45,6 +49,11 @@ class Parallelized:
     full_parameters: Callable[[], dict[str, torch.Tensor]]
     record_memory: Callable[[], None]
     describe: str
+    #: ``forward_backward(x, y) -> loss``: run forward and backward over this rank's batch and return its
+    #: (detached) mean loss. A pipeline owns its micro-batches here; every other strategy gets the default,
+    #: gradient accumulation over ``grad_accum`` micro-batches (``_micro_batched``). So the loop has no
+    #: ``if pp`` branch.
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def _optimizer_kwargs(cfg: ParallelConfig) -> dict[str, Any]:
@@ -82,9 +91,61 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     if cfg.sp and mesh.tp_size == 1:
         raise ValueError("sequence parallelism needs tp > 1: it shards the sequence over the tp ranks; "
                          "set tp >= 2 or turn sp off")
+    if mesh.pp_size > 1:
+        return _with_pipeline(model, mesh, cfg)
     if mesh.tp_size > 1:
-        return _with_tensor_parallel(model, mesh, cfg)
-    return _data_parallel(model, mesh, cfg)
+        strategy = _with_tensor_parallel(model, mesh, cfg)
+    else:
+        strategy = _data_parallel(model, mesh, cfg)
+    return replace(strategy, forward_backward=_micro_batched(strategy, cfg.grad_accum))
+
+
+def _micro_batched(s: Parallelized, grad_accum: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Gradient accumulation: ``grad_accum`` forward/backward passes, all but the last inside ``no_sync``
+    (only the last backward synchronises); each loss scaled by 1/grad_accum so the sum is the batch mean."""
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), device=x.device)
+        pieces = zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)
+        for i, (xm, ym) in enumerate(pieces):
+            with s.no_sync() if i < grad_accum - 1 else nullcontext():
+                total += _forward_then_backward(s.model, xm, ym, grad_accum)
+        return total
+
+    return forward_backward
+
+
+def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: int) -> torch.Tensor:
+    """One pass, traced: spans for forward and backward, saved activations counted into the ledger."""
+    tracer = trace.current()
+    with trace.span("forward", "forward"), tracer.activations() if tracer is not None else nullcontext():
+        loss = model(x, y) / scale
+    with trace.span("backward", "backward"):
+        loss.backward()
+    if tracer is not None:
+        tracer.release_activations()
+    return loss.detach()
+
+
+#: What the pipeline composes with so far (DP, TP and ZeRO over a pp axis are the next slice).
+PP_COMPOSES_WITH = "dp=1, tp=1, zero=0, grad_accum=1"
+
+
+def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    """The pipeline owns forward and backward over its micro-batches; each rank steps its own stage."""
+    from workbench.parallel import pipeline
+
+    if mesh.dp_size > 1 or mesh.tp_size > 1 or cfg.zero or cfg.grad_accum != 1 or cfg.sp:
+        raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got dp={mesh.dp_size}, "
+                         f"tp={mesh.tp_size}, zero={cfg.zero}, grad_accum={cfg.grad_accum}")
+    pipe = pipeline.Pipeline(model, mesh.pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages)
+    optimizer = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], **_optimizer_kwargs(cfg))
+    what = f"PP={mesh.pp_size} {cfg.schedule} m={cfg.microbatches}" + (
+        f" v={cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
+    return Parallelized(pipe.module, optimizer, nullcontext, lambda: None,
+                        lambda max_norm: pipeline.clip_grad_norm_(pipe, max_norm), pipe.full_parameters,
+                        lambda: _record_replicated_memory(pipe.module, optimizer), what,
+                        forward_backward=pipe.forward_backward)
 
 
 def _data_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:

@@ -446,6 +446,29 @@ class Pipeline:
         return {name: merged[name] for name in self.full_names}
 
 
+@torch.no_grad()
+def clip_grad_norm_(pipe: Pipeline, max_norm: float) -> float:
+    """Clip by the norm of the whole model's gradient, as one process would; return that norm.
+
+    Each rank holds different layers, so the squared norms of its stages are summed over the pp group; the
+    last stage's copy of the tied embedding/head carries the same gradient as the first stage's
+    (``sync_tied_grads``) and is counted once. Same formula as ``torch.nn.utils.clip_grad_norm_``."""
+    stages = pipe.module
+    duplicate = stages.tied and hasattr(stages, "lm_head") and not hasattr(stages, "wte")
+    named = [(n, p) for n, p in stages.named_parameters() if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64, device=pipe.device)
+    for name, p in named:
+        if not (duplicate and name == "lm_head.weight"):
+            local += p.grad.double().pow(2).sum()
+    comm.all_reduce(local, group=pipe.group, tag="clip")
+    total = float(local.sqrt())
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for _, p in named:
+            p.grad.mul_(coef)
+    return total
+
+
 def _reap(sends: list[comm.Work]) -> list[comm.Work]:
     """Wait (and so log) the sends that have already completed; return those still in flight."""
     pending = []
