@@ -264,3 +264,16 @@ def test_unused_parameters_do_not_hang_and_average_correctly():
                         assert torch.equal(grads[n], torch.zeros_like(p)), kind
                 else:
                     torch.testing.assert_close(grads[n], p.grad, msg=f"{kind} {find_unused} {n}")
+
+
+def test_a_backward_outside_forward_needs_a_post_backward_wrapper() -> None:
+    """A pipeline runs its stage's backward itself; hooked wrappers would have reduced inside it."""
+    from workbench.models import build_mlp
+    from workbench.parallel.ddp import BucketedDDP, FlatDDP
+
+    with pytest.raises(ValueError, match="BucketedDDP reduces from autograd hooks.*NaiveDDP or FlatDDP"):
+        BucketedDDP(build_mlp()).synchronize_external_backward()
+    flat = FlatDDP(build_mlp())
+    flat.module(torch.ones(2, 16)).sum().backward()
+    flat.synchronize_external_backward()  # one rank: the average is the gradient itself
+    assert all(p.grad is not None for p in flat.parameters() if p.requires_grad)

@@ -137,9 +137,9 @@ class RunConfig:
                 raise ValueError("schedule, microbatches and virtual_stages are pipeline settings: they need pp > 1")
             return
         validate(self.schedule, self.pp, self.microbatches, self.virtual_stages, self.gpt_config().n_layer)
-        if self.dp > 1 or self.tp > 1 or self.zero or self.grad_accum != 1:
-            raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got dp={self.dp}, "
-                             f"tp={self.tp}, zero={self.zero}, grad_accum={self.grad_accum}")
+        if self.tp > 1 or self.zero > 1 or self.grad_accum != 1 or self.sp:
+            raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got tp={self.tp}, "
+                             f"zero={self.zero}, grad_accum={self.grad_accum}, sp={self.sp}")
         if self.batch_size % (self.dp * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} must divide into dp x microbatches = {self.dp} x "
                              f"{self.microbatches}; use a multiple of {self.dp * self.microbatches}")

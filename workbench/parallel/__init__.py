@@ -127,25 +127,42 @@ def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s
     return loss.detach()
 
 
-#: What the pipeline composes with so far (DP, TP and ZeRO over a pp axis are the next slice).
-PP_COMPOSES_WITH = "dp=1, tp=1, zero=0, grad_accum=1"
+#: What the pipeline composes with so far. Tensor parallelism inside a stage needs the vocab-parallel loss
+#: on the last stage and a clip over both axes; ZeRO-2/3 reduce gradients from hooks, which a schedule's many
+#: backward passes per step would fire once per micro-batch: the next slice.
+PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1; tp=1, grad_accum=1 (the micro-batches are "
+                    "the accumulation)")
 
 
 def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
-    """The pipeline owns forward and backward over its micro-batches; each rank steps its own stage."""
+    """The pipeline owns forward and backward over its micro-batches; each rank steps its own stage. Over dp,
+    each stage's gradients are averaged once after the schedule's last backward (one flat all-reduce, as
+    ``FlatDDP``: hooks would fire once per micro-batch); ZeRO-1 then shards the stage's optimizer state."""
     from workbench.parallel import pipeline
+    from workbench.parallel.ddp import FlatDDP
 
-    if mesh.dp_size > 1 or mesh.tp_size > 1 or cfg.zero or cfg.grad_accum != 1 or cfg.sp:
-        raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got dp={mesh.dp_size}, "
-                         f"tp={mesh.tp_size}, zero={cfg.zero}, grad_accum={cfg.grad_accum}")
+    if mesh.tp_size > 1 or cfg.zero > 1 or cfg.grad_accum != 1 or cfg.sp:
+        raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got tp={mesh.tp_size}, "
+                         f"zero={cfg.zero}, grad_accum={cfg.grad_accum}, sp={cfg.sp}")
     pipe = pipeline.Pipeline(model, mesh.pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages)
-    optimizer = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], **_optimizer_kwargs(cfg))
-    what = f"PP={mesh.pp_size} {cfg.schedule} m={cfg.microbatches}" + (
-        f" v={cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
-    return Parallelized(pipe.module, optimizer, nullcontext, lambda: None,
-                        lambda max_norm: pipeline.clip_grad_norm_(pipe, max_norm), pipe.full_parameters,
-                        lambda: _record_replicated_memory(pipe.module, optimizer), what,
-                        forward_backward=pipe.forward_backward)
+    dp = FlatDDP(pipe.module, group=mesh.dp_group) if mesh.dp_size > 1 else None
+    params = [p for p in pipe.parameters() if p.requires_grad]
+    if cfg.zero == 1:
+        from workbench.parallel.zero import ZeroOptimizer
+
+        optimizer = ZeroOptimizer(params, torch.optim.AdamW, group=mesh.dp_group, stage=1, offload=cfg.offload,
+                                  **_optimizer_kwargs(cfg))
+        record = lambda: None  # noqa: E731 - ZeroOptimizer records its own shards
+    else:
+        optimizer = torch.optim.AdamW(params, **_optimizer_kwargs(cfg))
+        record = lambda: _record_replicated_memory(pipe.module, optimizer)  # noqa: E731
+    what = (f"PP={mesh.pp_size} {cfg.schedule} m={cfg.microbatches}"
+            + (f" v={cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
+            + (f" + DP={mesh.dp_size} (flat all-reduce after the schedule)" if dp is not None else "")
+            + (" + ZeRO-1" if cfg.zero == 1 else ""))
+    return Parallelized(pipe.module, optimizer, nullcontext, dp.synchronize_external_backward if dp else lambda: None,
+                        lambda max_norm: pipeline.clip_grad_norm_(pipe, max_norm), pipe.full_parameters, record,
+                        what, forward_backward=pipe.forward_backward)
 
 
 def _data_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:

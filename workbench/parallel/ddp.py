@@ -148,6 +148,16 @@ class _DataParallel(nn.Module):
             self._drop_globally_unused(used)
         trace.ledger_set("gradients", trace.tensor_bytes(p.grad for p in self._grad_params if p.grad is not None))
 
+    def synchronize_external_backward(self) -> None:
+        """Average gradients produced by backward passes run outside this wrapper's forward (a pipeline
+        schedule drives its stage's forward and backward itself). Only the post-backward wrappers (naive,
+        flat) support it: hooked ones would have reduced during each of the schedule's backward passes."""
+        if isinstance(self, _HookedDDP):
+            raise ValueError(f"{type(self).__name__} reduces from autograd hooks during backward; a backward "
+                             f"run outside its forward needs NaiveDDP or FlatDDP")
+        self._sync_pending = True
+        self.finish_gradient_synchronization()
+
     def _drop_globally_unused(self, used: list[bool]) -> None:
         counts = torch.tensor(used, dtype=torch.float32, device=self.device)
         comm.all_reduce(counts, "sum", group=self.group, tag="grad_used")
