@@ -40,7 +40,7 @@ LOSS_RTOL = 2e-4
     (dict(nproc=2, pp=2, schedule="interleaved", virtual_stages=2), "4 pipeline stages but the model has only 2"),
     (dict(nproc=2, pp=2, schedule="interleaved", virtual_stages=2, model="small", microbatches=3),
      "multiple of"),
-    (dict(nproc=4, pp=2, tp=2), "pipeline parallelism composes with data parallelism"),
+    (dict(nproc=4, pp=2, tp=2, sp=True), "pipeline parallelism composes with data parallelism"),
     (dict(nproc=2, pp=2, zero=2), "pipeline parallelism composes with data parallelism"),
     (dict(nproc=2, pp=2, batch_size=6, microbatches=4), "batch_size=6 must divide into dp x microbatches"),
     (dict(nproc=1, microbatches=4), "pipeline settings: they need pp > 1"),
@@ -109,6 +109,8 @@ STRATEGIES = [
     dict(nproc=2, pp=2, schedule="naive", microbatches=2), dict(nproc=2, pp=2, schedule="gpipe", microbatches=4),
     dict(nproc=2, pp=2, schedule="1f1b", microbatches=4), dict(nproc=2, pp=2, schedule="zb", microbatches=4),
     dict(nproc=4, pp=2, microbatches=2), dict(nproc=4, pp=2, schedule="gpipe", microbatches=4, zero=1),
+    dict(nproc=4, tp=2, pp=2, schedule="zb", microbatches=4),
+    dict(nproc=8, dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4),  # the 3D command
 ]
 
 

@@ -137,8 +137,8 @@ class RunConfig:
                 raise ValueError("schedule, microbatches and virtual_stages are pipeline settings: they need pp > 1")
             return
         validate(self.schedule, self.pp, self.microbatches, self.virtual_stages, self.gpt_config().n_layer)
-        if self.tp > 1 or self.zero > 1 or self.grad_accum != 1 or self.sp:
-            raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got tp={self.tp}, "
+        if self.zero > 1 or self.grad_accum != 1 or self.sp:
+            raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got "
                              f"zero={self.zero}, grad_accum={self.grad_accum}, sp={self.sp}")
         if self.batch_size % (self.dp * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} must divide into dp x microbatches = {self.dp} x "

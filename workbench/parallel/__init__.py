@@ -127,42 +127,73 @@ def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s
     return loss.detach()
 
 
-#: What the pipeline composes with so far. Tensor parallelism inside a stage needs the vocab-parallel loss
-#: on the last stage and a clip over both axes; ZeRO-2/3 reduce gradients from hooks, which a schedule's many
-#: backward passes per step would fire once per micro-batch: the next slice.
-PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1; tp=1, grad_accum=1 (the micro-batches are "
-                    "the accumulation)")
+#: What the pipeline composes with so far. Sequence parallelism would hand stages sequence shards (the
+#: pipeline's buffers are whole sequences); ZeRO-2/3 reduce gradients from hooks, which a schedule's many
+#: backward passes per step would fire once per micro-batch: later slices.
+PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1 and tensor parallelism (tp >= 1, no sp); "
+                    "grad_accum=1 (the micro-batches are the accumulation)")
 
 
 def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
-    """The pipeline owns forward and backward over its micro-batches; each rank steps its own stage. Over dp,
-    each stage's gradients are averaged once after the schedule's last backward (one flat all-reduce, as
-    ``FlatDDP``: hooks would fire once per micro-batch); ZeRO-1 then shards the stage's optimizer state."""
+    """3D: tensor parallelism inside each layer first, then the layers cut into pipeline stages, then data
+    parallelism over the stages (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", §2.3). The pipeline owns forward and backward over its micro-batches; each
+    rank steps its own stage's shards. Over dp, each stage's gradients are averaged once after the schedule's
+    last backward (one flat all-reduce, as ``FlatDDP``: hooks would fire once per micro-batch); ZeRO-1 then
+    shards the stage's optimizer state."""
     from workbench.parallel import pipeline
     from workbench.parallel.ddp import FlatDDP
 
-    if mesh.tp_size > 1 or cfg.zero > 1 or cfg.grad_accum != 1 or cfg.sp:
-        raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got tp={mesh.tp_size}, "
-                         f"zero={cfg.zero}, grad_accum={cfg.grad_accum}, sp={cfg.sp}")
-    pipe = pipeline.Pipeline(model, mesh.pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages)
+    if cfg.zero > 1 or cfg.grad_accum != 1 or cfg.sp:
+        raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got zero={cfg.zero}, "
+                         f"grad_accum={cfg.grad_accum}, sp={cfg.sp}")
+    tp = _tensor_parallel_for_pipeline(model, mesh)
+    pipe = pipeline.Pipeline(model, mesh.pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages,
+                             loss_fn=tp["loss_fn"])
     dp = FlatDDP(pipe.module, group=mesh.dp_group) if mesh.dp_size > 1 else None
+    optimizer, record = _stage_optimizer(pipe, mesh, cfg)
+    what = (f"PP={mesh.pp_size} {cfg.schedule} m={cfg.microbatches}"
+            + (f" v={cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
+            + (f" + TP={mesh.tp_size}" if mesh.tp_size > 1 else "")
+            + (f" + DP={mesh.dp_size} (flat all-reduce after the schedule)" if dp is not None else "")
+            + (" + ZeRO-1" if cfg.zero == 1 else ""))
+
+    def clip(max_norm: float) -> float:
+        weights = tp["norm_weights"](pipe.module) if tp["norm_weights"] else None
+        return pipeline.clip_grad_norm_(pipe, max_norm, weights, tp["groups"])
+
+    return Parallelized(pipe.module, optimizer, nullcontext, dp.synchronize_external_backward if dp else lambda: None,
+                        clip, lambda: pipe.full_parameters(tp["full"]), record, what,
+                        forward_backward=pipe.forward_backward)
+
+
+def _tensor_parallel_for_pipeline(model: nn.Module, mesh: Any) -> dict[str, Any]:
+    """With tp > 1: split the layers before the cut, and what the pipeline then needs from ``tensor``: the
+    vocab-parallel loss on the last stage, clip weights and group, and gathering shards into full tensors."""
+    if mesh.tp_size == 1:
+        return {"loss_fn": None, "norm_weights": None, "groups": (), "full": None}
+    from workbench.parallel import tensor
+
+    tensor.apply_tensor_parallel(model, mesh)
+
+    def loss_fn(local_logits: torch.Tensor, targets: torch.Tensor, total_tokens: int) -> torch.Tensor:
+        summed = tensor.vocab_parallel_cross_entropy(local_logits, targets, mesh.tp_group, reduction="sum")
+        return summed / total_tokens
+
+    return {"loss_fn": loss_fn, "norm_weights": lambda stages: tensor.norm_weights(stages, mesh),
+            "groups": (mesh.tp_group,), "full": lambda stages: tensor.full_parameters(stages, mesh)}
+
+
+def _stage_optimizer(pipe: Any, mesh: Any, cfg: ParallelConfig) -> tuple[Any, Callable[[], None]]:
     params = [p for p in pipe.parameters() if p.requires_grad]
     if cfg.zero == 1:
         from workbench.parallel.zero import ZeroOptimizer
 
         optimizer = ZeroOptimizer(params, torch.optim.AdamW, group=mesh.dp_group, stage=1, offload=cfg.offload,
                                   **_optimizer_kwargs(cfg))
-        record = lambda: None  # noqa: E731 - ZeroOptimizer records its own shards
-    else:
-        optimizer = torch.optim.AdamW(params, **_optimizer_kwargs(cfg))
-        record = lambda: _record_replicated_memory(pipe.module, optimizer)  # noqa: E731
-    what = (f"PP={mesh.pp_size} {cfg.schedule} m={cfg.microbatches}"
-            + (f" v={cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
-            + (f" + DP={mesh.dp_size} (flat all-reduce after the schedule)" if dp is not None else "")
-            + (" + ZeRO-1" if cfg.zero == 1 else ""))
-    return Parallelized(pipe.module, optimizer, nullcontext, dp.synchronize_external_backward if dp else lambda: None,
-                        lambda max_norm: pipeline.clip_grad_norm_(pipe, max_norm), pipe.full_parameters, record,
-                        what, forward_backward=pipe.forward_backward)
+        return optimizer, lambda: None  # ZeroOptimizer records its own shards
+    optimizer = torch.optim.AdamW(params, **_optimizer_kwargs(cfg))
+    return optimizer, lambda: _record_replicated_memory(pipe.module, optimizer)
 
 
 def _data_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:

@@ -40,7 +40,7 @@ gradient gᵀx, which nothing downstream waits for. LayerNorm and embedding grad
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -296,8 +296,11 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module, group: Any = None, schedule: str = "1f1b", microbatches: int = 4,
-                 virtual_stages: int = 1) -> None:
+                 virtual_stages: int = 1, loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+        """``loss_fn(logits, targets, total_tokens)`` is the last stage's loss (default ``stage_loss``; a
+        tensor-parallel model passes its vocab-parallel loss, its head giving this rank's vocab slice)."""
         p, rank = comm.group_size(group), comm.group_rank(group)
+        self.loss_fn = loss_fn or stage_loss
         plan = theory.make_plan(schedule, p, microbatches, virtual_stages, model.cfg.n_layer)
         self.group, self.p, self.rank = group, p, rank
         self.schedule, self.microbatches, self.virtual_stages = schedule, microbatches, virtual_stages
@@ -410,7 +413,7 @@ class Pipeline:
         with self.meter.saving(s, mb):
             out = self.module(x, s)
             if s == self.last_stage:
-                out = stage_loss(out, st.targets[mb], st.total_tokens)
+                out = self.loss_fn(out, st.targets[mb], st.total_tokens)
                 st.losses.append(out.detach())
         st.inputs[(s, mb)], st.outputs[(s, mb)] = x, out
         st.in_flight += 1
@@ -436,10 +439,13 @@ class Pipeline:
 
     # -- results --------------------------------------------------------------------------------------
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
+    def full_parameters(self, local: Callable[[nn.Module], dict[str, torch.Tensor]] | None = None
+                        ) -> dict[str, torch.Tensor]:
         """Every stage's parameters gathered over the pp group, under the full model's names and order
-        (CPU copies; the last stage's copy of the tied matrix is not repeated)."""
-        mine = {n: t.detach().cpu() for n, t in self.module.named_parameters()}
+        (CPU copies; the last stage's copy of the tied matrix is not repeated). ``local(stages)`` gives this
+        rank's full tensors first (e.g. gathered over tp); default: its parameters as they are."""
+        own = local(self.module) if local is not None else dict(self.module.named_parameters())
+        mine = {n: t.detach().cpu() for n, t in own.items()}
         merged: dict[str, torch.Tensor] = {}
         for part in comm.all_gather_object(mine, self.group):
             merged.update(part)
@@ -447,19 +453,24 @@ class Pipeline:
 
 
 @torch.no_grad()
-def clip_grad_norm_(pipe: Pipeline, max_norm: float) -> float:
+def clip_grad_norm_(pipe: Pipeline, max_norm: float, weights: dict[str, float] | None = None,
+                    other_groups: tuple = ()) -> float:
     """Clip by the norm of the whole model's gradient, as one process would; return that norm.
 
     Each rank holds different layers, so the squared norms of its stages are summed over the pp group; the
     last stage's copy of the tied embedding/head carries the same gradient as the first stage's
-    (``sync_tied_grads``) and is counted once. Same formula as ``torch.nn.utils.clip_grad_norm_``."""
+    (``sync_tied_grads``) and is counted once. ``weights``/``other_groups`` let another split inside the
+    stages take part (tensor parallelism: ``tensor.norm_weights`` and the tp group). Same formula as
+    ``torch.nn.utils.clip_grad_norm_``."""
     stages = pipe.module
     duplicate = stages.tied and hasattr(stages, "lm_head") and not hasattr(stages, "wte")
     named = [(n, p) for n, p in stages.named_parameters() if p.grad is not None]
     local = torch.zeros((), dtype=torch.float64, device=pipe.device)
     for name, p in named:
         if not (duplicate and name == "lm_head.weight"):
-            local += p.grad.double().pow(2).sum()
+            local += (weights or {}).get(name, 1.0) * p.grad.double().pow(2).sum()
+    for group in other_groups:
+        comm.all_reduce(local, group=group, tag="clip")
     comm.all_reduce(local, group=pipe.group, tag="clip")
     total = float(local.sqrt())
     coef = min(1.0, max_norm / (total + 1e-6))

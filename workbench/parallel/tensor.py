@@ -551,6 +551,14 @@ def full_gradients(model: nn.Module, mesh_or_group: Any) -> dict[str, torch.Tens
             for name, p in model.named_parameters()}
 
 
+def norm_weights(model: nn.Module, mesh_or_group: Any) -> dict[str, float]:
+    """{name: the share of its squared gradient norm this rank contributes}: 1 for a shard (the tp ranks'
+    squares add up to the whole), 1/tp for a replicated parameter (every tp rank holds all of it)."""
+    tp = tp_group_of(mesh_or_group)
+    return {name: 1.0 if _shard_dim(model, name) is not None else 1.0 / tp.size
+            for name, _ in model.named_parameters()}
+
+
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, mesh_or_group: Any) -> float:
     """Clip by the global gradient norm of the *unsplit* model, as one process would; return that norm.
@@ -561,10 +569,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh_or_group: Any) -> fl
     """
     tp = tp_group_of(mesh_or_group)
     named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    weights = norm_weights(model, tp)
     local = torch.zeros((), dtype=torch.float64, device=named[0][1].grad.device if named else "cpu")
     for name, p in named:
-        weight = 1.0 if _shard_dim(model, name) is not None else 1.0 / tp.size
-        local += weight * p.grad.double().pow(2).sum()
+        local += weights[name] * p.grad.double().pow(2).sum()
     comm.all_reduce(local, group=tp.group, tag="clip")
     total = float(local.sqrt())
     coef = min(1.0, max_norm / (total + 1e-6))
@@ -578,6 +586,6 @@ __all__ = [
     "BLOCK_PLAN", "STYLES", "ColumnParallelLinear", "CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion",
     "RowParallelLinear", "TPGroup", "TensorParallelStyles", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
     "apply_plan", "apply_tensor_parallel", "check_tensor_parallel_sizes", "clip_grad_norm_", "copy_to_tp_region",
-    "full_gradients", "full_parameters", "gpt_plan", "reduce_from_tp_region", "tp_group_of",
+    "full_gradients", "full_parameters", "gpt_plan", "norm_weights", "reduce_from_tp_region", "tp_group_of",
     "vocab_parallel_cross_entropy",
 ]
