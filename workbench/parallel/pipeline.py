@@ -51,6 +51,7 @@ from torch import nn
 
 from workbench import comm, trace
 from workbench.launch import rank_device
+from workbench.parallel.grad_norm import clip_by_shares_
 from workbench.theory import pipeline as theory
 from workbench.theory.pipeline import Action
 
@@ -463,21 +464,11 @@ def clip_grad_norm_(pipe: Pipeline, max_norm: float, weights: dict[str, float] |
     stages take part (tensor parallelism: ``tensor.norm_weights`` and the tp group). Same formula as
     ``torch.nn.utils.clip_grad_norm_``."""
     stages = pipe.module
-    duplicate = stages.tied and hasattr(stages, "lm_head") and not hasattr(stages, "wte")
-    named = [(n, p) for n, p in stages.named_parameters() if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float64, device=pipe.device)
-    for name, p in named:
-        if not (duplicate and name == "lm_head.weight"):
-            local += (weights or {}).get(name, 1.0) * p.grad.double().pow(2).sum()
-    for group in other_groups:
-        comm.all_reduce(local, group=group, tag="clip")
-    comm.all_reduce(local, group=pipe.group, tag="clip")
-    total = float(local.sqrt())
-    coef = min(1.0, max_norm / (total + 1e-6))
-    if coef < 1.0:
-        for _, p in named:
-            p.grad.mul_(coef)
-    return total
+    shares = dict(weights or {})
+    if stages.tied and hasattr(stages, "lm_head") and not hasattr(stages, "wte"):
+        shares["lm_head.weight"] = 0.0  # the first stage's wte.weight holds the same gradient
+    named = [(n, p.grad) for n, p in stages.named_parameters() if p.grad is not None]
+    return clip_by_shares_(named, shares, (*other_groups, pipe.group), max_norm, pipe.device)
 
 
 def _reap(sends: list[comm.Work]) -> list[comm.Work]:

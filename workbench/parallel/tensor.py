@@ -52,6 +52,7 @@ from torch import nn
 
 from workbench import comm
 from workbench.mesh import Mesh
+from workbench.parallel.grad_norm import clip_by_shares_
 
 TP_TAG = "tp"  # f and g inside the transformer blocks
 VOCAB_TAG = "tp_vocab"  # g after the vocab-parallel embedding, f before the vocab-parallel head
@@ -568,18 +569,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, mesh_or_group: Any) -> fl
     all-reduce of a scalar over tp gives the exact total. Same formula as ``torch.nn.utils.clip_grad_norm_``.
     """
     tp = tp_group_of(mesh_or_group)
-    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-    weights = norm_weights(model, tp)
-    local = torch.zeros((), dtype=torch.float64, device=named[0][1].grad.device if named else "cpu")
-    for name, p in named:
-        local += weights[name] * p.grad.double().pow(2).sum()
-    comm.all_reduce(local, group=tp.group, tag="clip")
-    total = float(local.sqrt())
-    coef = min(1.0, max_norm / (total + 1e-6))
-    if coef < 1.0:
-        for _, p in named:
-            p.grad.mul_(coef)
-    return total
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    device = named[0][1].device if named else torch.device("cpu")
+    return clip_by_shares_(named, norm_weights(model, tp), (tp.group,), max_norm, device)
 
 
 __all__ = [
