@@ -199,8 +199,22 @@ def _check_rows(rows: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _die_with_parent() -> None:
+    """Linux: ask the kernel to SIGKILL this child when the runner dies, even by SIGKILL (then nobody is left
+    to kill our process group, and a hung module would live on). Elsewhere a no-op."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def child_main(argv: list[str] | None = None) -> int:
     """Run one bench module and write its outcome to a JSON file (see the module docstring)."""
+    _die_with_parent()
     args = sys.argv[1:] if argv is None else argv
     path, out = Path(args[0]), Path(args[1])
     quick = "--quick" in args[2:]
