@@ -409,17 +409,20 @@ def _death_error(rank: int, exit_code: int) -> RankError:
     return RankError(rank, f"process {how}", exit_code=exit_code)
 
 
-_SECONDARY_MARKERS = ("connection closed", "connection reset", "read error", "broken pipe", "timed out",
-                      "timeout")
+_TIMEOUT_MARKERS = ("timed out", "timeout")
+_PEER_GONE_MARKERS = ("connection closed", "connection reset", "read error", "broken pipe")
 
 
 def _root_cause_order(error: RankError) -> tuple[int, int]:
-    """Errors a rank raised itself first, then deaths, then symptoms seen by its peers."""
+    """Errors a rank raised itself first, then deaths, then timeouts, then a closed connection: a rank that
+    timed out closes its links, so its peers' "connection closed" is the echo, not the cause."""
     text = error.message.lower()
     if error.exit_code is not None:
         return (1, error.rank)
-    if any(marker in text for marker in _SECONDARY_MARKERS):
+    if any(marker in text for marker in _TIMEOUT_MARKERS):
         return (2, error.rank)
+    if any(marker in text for marker in _PEER_GONE_MARKERS):
+        return (3, error.rank)
     return (0, error.rank)
 
 
