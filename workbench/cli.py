@@ -114,7 +114,51 @@ def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, A
         "placement": rank0.get("placement"),
         "memory_peak_bytes": [t.memory.peak for t in traces],
         "device_memory": [asdict(t.device_memory) if t.device_memory is not None else None for t in traces],
+        "mesh": _mesh(cfg),
+        "comm_groups": comm_group_labels(_mesh(cfg)),
+        **({"pipeline": _pipeline_summary(cfg, traces)} if cfg.pp > 1 else {}),
     }
+
+
+def _mesh(cfg: Any) -> dict[str, int]:
+    """The run's mesh axes (context parallelism is not a run flag yet: cp is always 1)."""
+    return {"pp": cfg.pp, "dp": cfg.dp, "cp": getattr(cfg, "cp", 1), "tp": cfg.tp}
+
+
+def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
+    """Every process group of the mesh as ``{"ranks": [...], "axis": name}``, so a report can say which axis
+    a collective ran on. Axes of size 1 only give one-rank groups; the whole world is labelled by the single
+    axis it equals (e.g. ``dp`` for plain data parallelism), else ``world``."""
+    from workbench.mesh import AXES, MeshShape
+
+    shape = MeshShape(**mesh)
+    labels: dict[tuple[int, ...], str] = {}
+    for axis in sorted(AXES, key=lambda a: mesh[a] == 1):  # real axes first: they win a shared group
+        for group in shape.all_axis_groups(axis):
+            labels.setdefault(tuple(sorted(group)), axis)
+    labels.setdefault(tuple(range(shape.world_size)), "world")
+    return [{"ranks": list(ranks), "axis": axis} for ranks, axis in labels.items()]
+
+
+def _pipeline_summary(cfg: Any, traces: list[Any]) -> dict[str, Any]:
+    """Schedule, theory's bubble beside the measured one (median over the traced steps) and activation peaks."""
+    from workbench.mesh import MeshShape
+    from workbench.parallel.pipeline import busy_intervals, measured_bubble
+    from workbench.theory.pipeline import bubble_fraction
+
+    traced = sorted({s.step for t in traces for s in t.spans if s.step is not None})
+    steps = [step for step in traced if all(busy_intervals(traces, step).values())]
+    measured = [measured_bubble(traces, step) for step in steps]
+    per_rank = [int(t.memory.peak.get("activations", 0)) for t in traces]
+    shape = MeshShape(**_mesh(cfg))
+    per_stage = [max((b for t, b in zip(traces, per_rank, strict=True) if shape.coords(t.rank)["pp"] == stage),
+                     default=0) for stage in range(cfg.pp)]
+    return {"schedule": cfg.schedule, "microbatches": cfg.microbatches, "virtual_stages": cfg.virtual_stages,
+            "bubble_theory": bubble_fraction(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages),
+            "bubble_measured": statistics.median(measured) if measured else None,
+            "traced_steps": steps,
+            "peak_activation_bytes_per_rank": per_rank,
+            "peak_activation_bytes_per_stage": per_stage}
 
 
 def write_outputs(out: Path, summary: dict[str, Any], traces: list[Any]) -> None:

@@ -63,8 +63,13 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
                      f"backend {html.escape(where['backend'])}).</p>")
     for i, fig in enumerate(figures):
         parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
+    if summary.get("mesh"):
+        parts.append("<p>mesh: " + " x ".join(f"{html.escape(str(k))}={v}" for k, v in summary["mesh"].items())
+                     + "</p>")
+    if summary.get("pipeline"):
+        parts += pipeline_section(summary, traces)
     parts.append(f"<h2>communication in step {last_traced} (from the log)</h2>")
-    parts.append(_table(comm_table(traces, step=last_traced)))
+    parts.append(_table(comm_table(traces, step=last_traced, group_labels=summary.get("comm_groups"))))
     parts += memory_section([_trace(t) for t in traces])
     path.write_text("<html><head><meta charset='utf-8'><title>workbench report</title></head><body>"
                     + "\n".join(parts) + "</body></html>")
@@ -105,6 +110,36 @@ def memory_section(traces: Sequence[Trace]) -> list[str]:
     parts = [f"<h2>memory per rank ({where})</h2>", _table(memory_rows(traces))]
     if on_cuda:
         parts.append(f"<p>{html.escape(_ALLOCATOR_GAP)}</p>")
+    return parts
+
+
+def bubble_sentence(pipe: dict[str, Any], p: int) -> str:
+    """One sentence: the measured bubble (median over the traced steps) beside the schedule's theory."""
+    measured = pipe.get("bubble_measured")
+    said = "not measured (no traced pipeline step)" if measured is None else f"{measured:.1%}"
+    v = pipe.get("virtual_stages", 1)
+    return (f"Pipeline bubble ({pipe['schedule']}, p={p}, m={pipe['microbatches']}" + (f", v={v}" if v > 1 else "")
+            + f"): measured {said} of the ranks' time idle (median over the traced steps), theory "
+              f"{pipe['bubble_theory']:.1%}.")
+
+
+def pipeline_section(summary: dict[str, Any], traces: Sequence[Trace | dict]) -> list[str]:
+    """HTML for a pipeline run: bubble measured beside theory, the last traced step's timeline with each
+    action's micro-batch on its bar and the idle gaps drawn, and the peak activation memory per stage."""
+    pipe, mesh = summary["pipeline"], summary.get("mesh", {})
+    p = mesh.get("pp", len(pipe.get("peak_activation_bytes_per_stage", [])))
+    steps = pipe.get("traced_steps") or []
+    parts = ["<h2>pipeline</h2>", f"<p>{html.escape(bubble_sentence(pipe, p))}</p>",
+             _table([{"": "bubble fraction", "measured": pipe.get("bubble_measured"),
+                      "theory": pipe["bubble_theory"]}])]
+    if steps:
+        last = steps[-1]
+        fig = timeline([steps_only(t, [last]) for t in traces], labels=True, idle=True,
+                       title=f"pipeline step {last}: F/B/I/W per micro-batch (mb), send/recv, idle")
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=False))
+    per_stage = pipe.get("peak_activation_bytes_per_stage") or []
+    parts.append("<h3>peak activation memory per stage (ledger)</h3>")
+    parts.append(_table([{"stage": i, "peak activations (MiB)": b / _MIB} for i, b in enumerate(per_stage)]))
     return parts
 
 
