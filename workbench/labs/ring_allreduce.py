@@ -73,9 +73,8 @@ def _explain_rank_error(error: Exception, world: int, timeout: float) -> str:
     if "NotImplementedError" in text:
         hint = text.split("NotImplementedError:", 1)[1].splitlines()[0].strip()
         return f"your function is still the stub (NotImplementedError: {hint}). Replace its body with your ring."
-    # Any rank's timeout means a deadlock, even when another rank reports the closed connection first
-    # (gloo's message can be cut to "... Timed" in the summary of the other ranks).
-    if any(marker in text.lower() for marker in ("timed out", "timeout", "] timed")):
+    # launch names a timed-out rank as the root cause ahead of its peers' "connection closed" echoes.
+    if "timed out" in text.lower() or "timeout" in text.lower():
         return (f"on {world} ranks your function did not finish within {timeout:g} s: a deadlock. Most likely "
                 "every rank called a blocking comm.send first, so each waits for a receive nobody has posted. "
                 "Use comm.isend/comm.irecv and wait on both, or order sends by rank parity (even ranks send "
