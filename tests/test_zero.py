@@ -329,3 +329,26 @@ def test_single_process_api_and_errors():
         ZeroOptimizer(fsm.parameters(), torch.optim.AdamW, stage=1)
     with pytest.raises(ValueError, match="norm_type"):
         opt.clip_grad_norm_(1.0, norm_type=1.0)
+
+
+def test_norm_shares_weight_the_clipping_norm_and_bad_keys_are_named():
+    """A param group's ``norm_share`` scales its squared norm (what tensor parallelism's replicated tensors
+    need); the inner optimizer never sees the key; bad values and stage 3 are refused with the key named."""
+    model = build_mlp(seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model(*mlp_batch(0)).backward()
+    grads = [p.grad.clone() for p in params]
+    half = len(params) // 2
+    opt = ZeroOptimizer([{"params": params[:half], "norm_share": 0.25}, {"params": params[half:]}],
+                        torch.optim.AdamW, stage=1, lr=1e-2)
+    assert all("norm_share" not in g for g in opt.param_groups)
+    want = (0.25 * sum(g.double().pow(2).sum() for g in grads[:half])
+            + sum(g.double().pow(2).sum() for g in grads[half:])).sqrt()
+    assert float(opt.clip_grad_norm_(1e9)) == pytest.approx(float(want), rel=1e-6)
+    with pytest.raises(ValueError, match="'norm_share' must be a number in \\[0, 1\\]"):
+        ZeroOptimizer([{"params": build_mlp().parameters(), "norm_share": 2}], torch.optim.AdamW)
+    with pytest.raises(ValueError, match="'partial_grads' must be \\(process group, comm tag\\)"):
+        ZeroOptimizer([{"params": build_mlp().parameters(), "partial_grads": "tp"}], torch.optim.AdamW)
+    with pytest.raises(ValueError, match="need stages 0-2"):
+        ZeroOptimizer([{"params": FullyShardedModel(build_mlp()).parameters(), "norm_share": 0.5}],
+                      torch.optim.AdamW, stage=3)

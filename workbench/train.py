@@ -97,7 +97,7 @@ class RunConfig:
 
             check_tensor_parallel_sizes(self.gpt_config(), self.tp)
             if self.zero not in TP_ZERO_STAGES:
-                raise ValueError(f"zero={self.zero} with tp={self.tp}: ZeRO-2/3 are not composed with tensor "
+                raise ValueError(f"zero={self.zero} with tp={self.tp}: ZeRO-3 is not composed with tensor "
                                  f"parallelism yet; valid with tp > 1: zero in {TP_ZERO_STAGES}")
         per_rank, rem = divmod(self.batch_size, self.dp * self.grad_accum)
         if rem or per_rank == 0:
@@ -137,9 +137,9 @@ class RunConfig:
                 raise ValueError("schedule, microbatches and virtual_stages are pipeline settings: they need pp > 1")
             return
         validate(self.schedule, self.pp, self.microbatches, self.virtual_stages, self.gpt_config().n_layer)
-        if self.zero > 1 or self.grad_accum != 1 or self.sp:
-            raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got "
-                             f"zero={self.zero}, grad_accum={self.grad_accum}, sp={self.sp}")
+        if self.zero > 1 or self.grad_accum != 1:
+            raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH}; got "
+                             f"zero={self.zero}, grad_accum={self.grad_accum}")
         if self.batch_size % (self.dp * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} must divide into dp x microbatches = {self.dp} x "
                              f"{self.microbatches}; use a multiple of {self.dp * self.microbatches}")

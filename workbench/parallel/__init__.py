@@ -77,10 +77,11 @@ def _clip_replicated(model: nn.Module) -> Callable[[float], float]:
     return lambda max_norm: float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
-#: ZeRO stages that compose with tensor parallelism here. ZeRO-2/3 shard gradients into flat buckets that
-#: mix tp-sharded and replicated parameters, so the global norm for clipping would need per-element weights
-#: (a replicated parameter's square counted once over tp, a shard's summed): not built yet.
-TP_ZERO_STAGES = (0, 1)
+#: ZeRO stages that compose with tensor parallelism here. ZeRO-2's buckets are built per param group, so
+#: tp-sharded and replicated parameters (norm shares 1 and 1/tp) and sequence-parallel ones (partial gradients)
+#: never share a bucket. ZeRO-3's units flatten a whole block, shards and replicated tensors together, so
+#: clipping would need per-element shares and SP per-segment sums: not built.
+TP_ZERO_STAGES = (0, 1, 2)
 
 
 def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
@@ -127,11 +128,14 @@ def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s
     return loss.detach()
 
 
-#: What the pipeline composes with so far. Sequence parallelism would hand stages sequence shards (the
-#: pipeline's buffers are whole sequences); ZeRO-2/3 reduce gradients from hooks, which a schedule's many
-#: backward passes per step would fire once per micro-batch: later slices.
-PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1 and tensor parallelism (tp >= 1, no sp); "
-                    "grad_accum=1 (the micro-batches are the accumulation)")
+#: What the pipeline composes with. Not ZeRO-2/3, by design (as DeepSpeed, which refuses them with its
+#: pipeline engine): a schedule runs one backward per micro-batch, so stage 2 would reduce-scatter the
+#: gradients m times per step (m× the traffic) or keep them whole until the last micro-batch (no saving
+#: over stage 1, which reduces once after the schedule); stage 3 would all-gather each stage's parameters
+#: for every micro-batch's forward and backward, 2m gathers per step instead of 2.
+PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1 (ZeRO-2/3 would communicate once per "
+                    "micro-batch: m times the gradient or parameter traffic), and tensor parallelism (tp >= 1, "
+                    "with or without sp); grad_accum=1 (the micro-batches are the accumulation)")
 
 
 def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
@@ -144,17 +148,17 @@ def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallel
     from workbench.parallel import pipeline
     from workbench.parallel.ddp import FlatDDP
 
-    if cfg.zero > 1 or cfg.grad_accum != 1 or cfg.sp:
-        raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH} so far; got zero={cfg.zero}, "
-                         f"grad_accum={cfg.grad_accum}, sp={cfg.sp}")
-    tp = _tensor_parallel_for_pipeline(model, mesh)
+    if cfg.zero > 1 or cfg.grad_accum != 1:
+        raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH}; got zero={cfg.zero}, "
+                         f"grad_accum={cfg.grad_accum}")
+    tp = _tensor_parallel_for_pipeline(model, mesh, cfg.sp)
     pipe = pipeline.Pipeline(model, mesh.pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages,
-                             loss_fn=tp["loss_fn"])
+                             loss_fn=tp["loss_fn"], seq_shards=mesh.tp_size if cfg.sp else 1)
     dp = FlatDDP(pipe.module, group=mesh.dp_group) if mesh.dp_size > 1 else None
     optimizer, record = _stage_optimizer(pipe, mesh, cfg)
     what = (f"PP={mesh.pp_size} {cfg.schedule} m={cfg.microbatches}"
             + (f" v={cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
-            + (f" + TP={mesh.tp_size}" if mesh.tp_size > 1 else "")
+            + (f" + TP={mesh.tp_size}" if mesh.tp_size > 1 else "") + (" + SP" if cfg.sp else "")
             + (f" + DP={mesh.dp_size} (flat all-reduce after the schedule)" if dp is not None else "")
             + (" + ZeRO-1" if cfg.zero == 1 else ""))
 
@@ -162,26 +166,33 @@ def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallel
         weights = tp["norm_weights"](pipe.module) if tp["norm_weights"] else None
         return pipeline.clip_grad_norm_(pipe, max_norm, weights, tp["groups"])
 
-    return Parallelized(pipe.module, optimizer, nullcontext, dp.synchronize_external_backward if dp else lambda: None,
-                        clip, lambda: pipe.full_parameters(tp["full"]), record, what,
-                        forward_backward=pipe.forward_backward)
+    def finish() -> None:  # dp's average, then (SP) the partial gradients' sum over tp: the two commute
+        if dp is not None:
+            dp.synchronize_external_backward()
+        tp["sum_partial_grads"](pipe.module)
+
+    return Parallelized(pipe.module, optimizer, nullcontext, finish, clip, lambda: pipe.full_parameters(tp["full"]),
+                        record, what, forward_backward=pipe.forward_backward)
 
 
-def _tensor_parallel_for_pipeline(model: nn.Module, mesh: Any) -> dict[str, Any]:
-    """With tp > 1: split the layers before the cut, and what the pipeline then needs from ``tensor``: the
-    vocab-parallel loss on the last stage, clip weights and group, and gathering shards into full tensors."""
+def _tensor_parallel_for_pipeline(model: nn.Module, mesh: Any, sp: bool) -> dict[str, Any]:
+    """With tp > 1: split the layers before the cut (with sequence parallelism if ``sp``), and what the
+    pipeline then needs from ``tensor``/``sequence``: the vocab-parallel loss on the last stage, clip weights
+    and group, summing SP's partial gradients over tp, and gathering shards into full tensors."""
     if mesh.tp_size == 1:
-        return {"loss_fn": None, "norm_weights": None, "groups": (), "full": None}
-    from workbench.parallel import tensor
+        return {"loss_fn": None, "norm_weights": None, "groups": (), "full": None,
+                "sum_partial_grads": lambda stages: None}
+    from workbench.parallel import sequence, tensor
 
-    tensor.apply_tensor_parallel(model, mesh)
+    (sequence.apply_sequence_parallel if sp else tensor.apply_tensor_parallel)(model, mesh)
 
     def loss_fn(local_logits: torch.Tensor, targets: torch.Tensor, total_tokens: int) -> torch.Tensor:
         summed = tensor.vocab_parallel_cross_entropy(local_logits, targets, mesh.tp_group, reduction="sum")
         return summed / total_tokens
 
     return {"loss_fn": loss_fn, "norm_weights": lambda stages: tensor.norm_weights(stages, mesh),
-            "groups": (mesh.tp_group,), "full": lambda stages: tensor.full_parameters(stages, mesh)}
+            "groups": (mesh.tp_group,), "full": lambda stages: tensor.full_parameters(stages, mesh),
+            "sum_partial_grads": lambda stages: sequence.all_reduce_sequence_parallel_grads(stages, mesh)}
 
 
 def _stage_optimizer(pipe: Any, mesh: Any, cfg: ParallelConfig) -> tuple[Any, Callable[[], None]]:
@@ -217,15 +228,36 @@ def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> P
         raise ValueError(f"ZeRO-{cfg.zero} with tensor parallelism (tp={mesh.tp_size}) is not composed yet; "
                          f"valid with tp > 1: zero in {TP_ZERO_STAGES}")
     (sequence.apply_sequence_parallel if cfg.sp else tensor.apply_tensor_parallel)(model, mesh)
-    inner = _data_parallel(model, mesh, cfg)
-    finish = inner.finish_grad_sync
-    if cfg.sp:  # sum the sequence-sharded parameters' partial gradients over tp once the dp sync is done
-        finish = lambda: (inner.finish_grad_sync(), sequence.all_reduce_sequence_parallel_grads(model, mesh))  # noqa: E731
-    # Clip the unsplit gradients across tp, in place, before the optimizer (ZeRO-1 builds its shard at step).
-    clip = lambda max_norm: tensor.clip_grad_norm_(model, max_norm, mesh)  # noqa: E731
+    if cfg.zero == 2:  # gradients live only as dp shards: the optimizer clips and sums SP's partials itself
+        inner = _zero2(model, mesh, cfg, _tensor_parallel_param_groups(model, mesh), (mesh.tp_group,))
+        finish, clip = inner.finish_grad_sync, inner.clip_grad_norm
+    else:
+        inner = _data_parallel(model, mesh, cfg)
+        finish = inner.finish_grad_sync
+        if cfg.sp:  # sum the sequence-sharded parameters' partial gradients over tp once the dp sync is done
+            finish = lambda: (inner.finish_grad_sync(), sequence.all_reduce_sequence_parallel_grads(model, mesh))  # noqa: E731
+        # Clip the unsplit gradients across tp, in place, before the optimizer (ZeRO-1 builds its shard at step).
+        clip = lambda max_norm: tensor.clip_grad_norm_(model, max_norm, mesh)  # noqa: E731
     return replace(inner, finish_grad_sync=finish, clip_grad_norm=clip,
                    full_parameters=lambda: tensor.full_parameters(model, mesh),
                    describe=f"TP={mesh.tp_size}{' + SP' if cfg.sp else ''} + {inner.describe}")
+
+
+def _tensor_parallel_param_groups(model: nn.Module, mesh: Any) -> list[dict[str, Any]]:
+    """The model's parameters grouped for a ZeroOptimizer under TP: by this rank's share of their squared
+    gradient norm (``tensor.norm_weights``) and whether their gradient is a partial sum over tp (SP)."""
+    from workbench.parallel import sequence, tensor
+    from workbench.parallel.zero.optimizer import NORM_SHARE, PARTIAL_GRADS
+
+    shares = tensor.norm_weights(model, mesh)
+    partial = {n for n, _ in sequence.sequence_parallel_parameters(model)}
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((shares[name], name in partial), []).append(p)
+    return [{"params": params, NORM_SHARE: share,
+             PARTIAL_GRADS: (mesh.tp_group, sequence.SP_GRAD_TAG) if is_partial else None}
+            for (share, is_partial), params in groups.items()]
 
 
 def _single(model: nn.Module, cfg: ParallelConfig) -> Parallelized:
@@ -255,12 +287,14 @@ def _ddp(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
                         lambda: _named_trainable(wrapped), record, what + (" + offload" if cfg.offload else ""))
 
 
-def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig, param_groups: list[dict[str, Any]] | None = None,
+           model_parallel_groups: tuple[Any, ...] = ()) -> Parallelized:
     from workbench.parallel.ddp import broadcast_module_state
     from workbench.parallel.zero import ZeroOptimizer
 
-    optimizer = ZeroOptimizer([p for p in model.parameters() if p.requires_grad], torch.optim.AdamW,
-                              group=mesh.dp_group, stage=2, offload=cfg.offload, **_optimizer_kwargs(cfg))
+    params = param_groups or [p for p in model.parameters() if p.requires_grad]
+    optimizer = ZeroOptimizer(params, torch.optim.AdamW, group=mesh.dp_group, stage=2, offload=cfg.offload,
+                              model_parallel_groups=model_parallel_groups, **_optimizer_kwargs(cfg))
     broadcast_module_state(model, mesh.dp_group)  # no wrapper does it at stage 2: start every replica alike
     return Parallelized(model, optimizer, optimizer.no_sync, optimizer.finish_gradient_synchronization,
                         optimizer.clip_grad_norm_, lambda: _named_trainable(model), lambda: None,

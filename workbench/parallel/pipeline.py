@@ -297,9 +297,13 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module, group: Any = None, schedule: str = "1f1b", microbatches: int = 4,
-                 virtual_stages: int = 1, loss_fn: Callable[..., torch.Tensor] | None = None) -> None:
+                 virtual_stages: int = 1, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 seq_shards: int = 1) -> None:
         """``loss_fn(logits, targets, total_tokens)`` is the last stage's loss (default ``stage_loss``; a
-        tensor-parallel model passes its vocab-parallel loss, its head giving this rank's vocab slice)."""
+        tensor-parallel model passes its vocab-parallel loss, its head giving this rank's vocab slice).
+        ``seq_shards``: the hidden state between stages holds seq_len/seq_shards positions (sequence
+        parallelism over tp: each tp rank sends only its positions to the same tp rank of the next stage, so
+        the p2p volume drops by tp, Megatron-LM's scatter/gather across stages, Narayanan et al. 2021 §4.1)."""
         p, rank = comm.group_size(group), comm.group_rank(group)
         self.loss_fn = loss_fn or stage_loss
         plan = theory.make_plan(schedule, p, microbatches, virtual_stages, model.cfg.n_layer)
@@ -309,6 +313,7 @@ class Pipeline:
         self.steps = theory.with_communication(plan)[rank]
         self.full_names = [name for name, _ in model.named_parameters()]
         self.d_model = model.cfg.d_model
+        self.seq_shards = seq_shards
         self.module = split_gpt(model, rank, p, virtual_stages)
         self.store = defer_weight_grads(self.module) if any(a.kind == "I" for a in self.plan) else None
         self.meter = ActivationMeter()
@@ -375,7 +380,8 @@ class Pipeline:
 
     def _post_recv(self, a: Action, st: _StepState) -> comm.Work:
         mb = st.idx[a.microbatch]
-        buf = torch.empty((mb.shape[0], mb.shape[1], self.d_model), device=self.device, dtype=self._dtype())
+        buf = torch.empty((mb.shape[0], mb.shape[1] // self.seq_shards, self.d_model), device=self.device,
+                          dtype=self._dtype())
         st.inbox[a] = buf
         return comm.irecv(buf, self._global(theory.message_peer(a, self.p)), self.group, tag=_tag(a))
 

@@ -76,6 +76,11 @@ class _Bucket:
         self.shard_grad_is_view = False  # shard_grad aliases the params' .grad (do not modify it in place)
         self.chunks: list[torch.Tensor] = []  # what the inner optimizer steps: pieces of the shard (or master)
         self.ready: set[int] = set()
+        # Set from the bucket's param group when the model is also split over other ranks (tensor / sequence
+        # parallelism): this rank's share of the bucket's squared gradient norm, and the group (with its comm
+        # tag) over which its gradient is a partial sum to be added up once reduced over the data-parallel group.
+        self.norm_share = 1.0
+        self.partial_grads: tuple[Any, str] | None = None
 
     def is_ready(self) -> bool:
         return len(self.ready) == len(self.params)

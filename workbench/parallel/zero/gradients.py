@@ -74,8 +74,24 @@ class _GradientReduction:
         elif self.stage == 2:
             self._launch_remaining()
         self._wait_pending()
+        self._sum_partial_grads()
         self.synced = True
         self._record_memory()
+
+    def _sum_partial_grads(self) -> None:
+        """Add up, over its ``partial_grads`` group, each bucket's gradient shard that holds partial sums
+        (sequence parallelism: each tp rank's share of a LayerNorm's gradient). Every rank of that group has
+        the same bucket layout, so the same shard slice meets the same slice; one flat all-reduce per group."""
+        by_group: dict[tuple[int, str], list[_Bucket]] = {}
+        for b in self.buckets:
+            if b.partial_grads is not None and b.shard_grad is not None:
+                by_group.setdefault((id(b.partial_grads[0]), b.partial_grads[1]), []).append(b)
+        for buckets in by_group.values():
+            group, tag = buckets[0].partial_grads
+            flat = torch.cat([b.shard_grad.reshape(-1) for b in buckets])
+            comm.all_reduce(flat, group=group, tag=tag)
+            for b, summed in zip(buckets, flat.split([b.shard_grad.numel() for b in buckets]), strict=True):
+                b.shard_grad, b.shard_grad_is_view = summed, False  # a fresh tensor: .grad views stay untouched
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._no_sync:

@@ -33,6 +33,11 @@ from workbench.parallel.zero.gradients import _GradientReduction
 from workbench.parallel.zero.offload import _master_copies, _offload_copy
 
 VALID_STAGES = (0, 1, 2, 3)
+#: Param-group keys this optimizer reads itself (not passed to the inner optimizer), for a model that is also
+#: split over other ranks (tensor / sequence parallelism; see ``ZeroOptimizer``).
+NORM_SHARE = "norm_share"
+PARTIAL_GRADS = "partial_grads"
+_OWN_KEYS = (NORM_SHARE, PARTIAL_GRADS)
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -95,12 +100,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``state_dict()`` is shard-local: each rank saves and loads its own shard's state (same world size and
     rank required). ``offload=True`` keeps optimizer state, and a master copy of the stepped shard, on
     ``offload_device`` (ZeRO-Offload); gradients are copied there, stepped, and the result copied back.
+
+    A model also split over other ranks (tensor parallelism inside, data parallelism over ``group``, as in
+    Megatron-LM's distributed optimizer) passes those groups as ``model_parallel_groups`` and, per param
+    group (stages 0-2; buckets never mix groups): ``"norm_share"``, the share of each parameter's squared
+    gradient norm this rank holds (1 for a tp shard, 1/tp for a tensor every tp rank holds whole), so that
+    ``clip_grad_norm_`` adds the shares over ``group`` and then over each model-parallel group into the norm
+    of the whole model; and ``"partial_grads": (group, tag)`` for parameters whose gradient is a partial sum
+    over that group (sequence parallelism's LayerNorms: each tp rank saw its own positions), added up over it
+    once the data-parallel reduction is done (the sum commutes with the average over ``group``).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_cls: type[torch.optim.Optimizer], group: Any = None,
                  stage: int = 1, offload: bool = False, *, reduce_grads: bool = False,
                  bucket_cap_mb: float = DEFAULT_BUCKET_MB, offload_device: str | torch.device = "cpu",
-                 **optimizer_kwargs: Any) -> None:
+                 model_parallel_groups: tuple[Any, ...] = (), **optimizer_kwargs: Any) -> None:
         if stage not in VALID_STAGES:
             raise ValueError(f"ZeRO stage {stage!r} is not valid; valid stages: {VALID_STAGES}")
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -109,12 +123,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         self.group, self.stage, self.offload = group, stage, offload
+        self.model_parallel_groups = tuple(model_parallel_groups)
         self.reduce_grads = reduce_grads or stage == 2
         self.offload_device = torch.device(offload_device)
         self.comm_device = rank_device()  # where scalars this optimizer communicates are born
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         groups = _param_groups(params)
         _check_stage_matches_params(stage, groups)
+        _check_own_keys(stage, groups)
         self.buckets: list[_Bucket] = []
         parts, part_rank = (1, 0) if stage == 0 else (self.world, self.rank)
         inner_groups = []
@@ -123,9 +139,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 tensors = list(g["params"])
             else:
                 new = [_Bucket(b, parts, part_rank) for b in _bucket_params(g["params"], int(bucket_cap_mb * 2**20))]
+                for b in new:
+                    b.norm_share, b.partial_grads = float(g.get(NORM_SHARE, 1.0)), g.get(PARTIAL_GRADS)
                 self.buckets += new
                 tensors = [b.shard for b in new]
-            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": tensors})
+            inner_groups.append({**{k: v for k, v in g.items() if k not in ("params", *_OWN_KEYS)}, "params": tensors})
         self._sharded = [t for g in inner_groups for t in g["params"]]  # what step() updates, on device
         self._masters = _master_copies(self._sharded, self.offload_device) if offload else {}
         for b in self.buckets:
@@ -266,10 +284,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for c, g in zip(bucket.chunks, pieces, strict=True):
             c.grad = g
 
-    def _owned_grads(self) -> list[torch.Tensor]:
+    def _owned_grads(self) -> list[tuple[torch.Tensor, float]]:
+        """(gradient shard, this rank's share of its squared norm) of everything this rank steps."""
         if self.stage == 3:
-            return [t.grad for t in self._sharded if t.grad is not None]
-        return [b.shard_grad for b in self.buckets if b.shard_grad is not None]
+            return [(t.grad, 1.0) for t in self._sharded if t.grad is not None]
+        return [(b.shard_grad, b.norm_share) for b in self.buckets if b.shard_grad is not None]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -277,7 +296,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Same formula as ``torch.nn.utils.clip_grad_norm_``: scale by min(1, max_norm / (norm + 1e-6)).
         Each rank sums the squares of its own shard (padding is zero), an all-reduce adds the N partial sums,
-        so the norm is exact without ever gathering a full gradient.
+        so the norm is exact without ever gathering a full gradient. With ``model_parallel_groups`` each
+        bucket's squares are weighted by its ``norm_share`` and the sum is all-reduced over those groups too.
         """
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"norm_type {norm_type!r} is not supported; valid: 2.0 or float('inf')")
@@ -287,18 +307,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Offloaded shards' gradients live on the CPU; the partial norm travels on the rank's device.
         none = torch.zeros((), dtype=torch.float64, device=self.comm_device)
         if norm_type == 2.0:
-            local = torch.stack([g.double().pow(2).sum().to(self.comm_device) for g in grads]).sum() if grads else none
-            if sharded:
-                comm.all_reduce(local, op="sum", group=self.group, tag="clip")
-            total = local.sqrt()
+            parts = [share * g.double().pow(2).sum().to(self.comm_device) for g, share in grads]
+            op = "sum"
         else:
-            local = torch.stack([g.abs().max().double().to(self.comm_device) for g in grads]).max() if grads else none
-            if sharded:
-                comm.all_reduce(local, op="max", group=self.group, tag="clip")
-            total = local
+            parts = [g.abs().max().double().to(self.comm_device) for g, share in grads if share > 0]
+            op = "max"
+        local = (torch.stack(parts).sum() if op == "sum" else torch.stack(parts).max()) if parts else none
+        for group in ((self.group,) if sharded else ()) + self.model_parallel_groups:
+            comm.all_reduce(local, op=op, group=group, tag="clip")
+        total = local.sqrt() if op == "sum" else local
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if self.stage == 3:
-            for g in grads:
+            for g, _ in grads:
                 g.mul_(coef.to(device=g.device, dtype=g.dtype))
         for b in self.buckets:
             if b.shard_grad is not None:  # a view of the model's .grad is scaled out of place: .grad stays put
@@ -349,6 +369,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def shard_numel(self) -> int:
         """Elements of parameters this rank steps (its shard, padding included)."""
         return sum(t.numel() for t in self._sharded)
+
+
+def _check_own_keys(stage: int, groups: list[dict[str, Any]]) -> None:
+    if stage == 3 and any(key in g for g in groups for key in _OWN_KEYS):
+        raise ValueError(f"param-group keys {_OWN_KEYS} need stages 0-2: a FullyShardedModel's flat shards mix "
+                         "parameters of different kinds, so per-group shares cannot apply to them")
+    for g in groups:
+        share = g.get(NORM_SHARE, 1.0)
+        if not (isinstance(share, (int, float)) and 0 <= share <= 1):
+            raise ValueError(f"param group {NORM_SHARE!r} must be a number in [0, 1] (this rank's share of the "
+                             f"group's squared gradient norm), got {share!r}")
+        partial = g.get(PARTIAL_GRADS)
+        if partial is not None and not (isinstance(partial, tuple) and len(partial) == 2):
+            raise ValueError(f"param group {PARTIAL_GRADS!r} must be (process group, comm tag), got {partial!r}")
 
 
 def _check_stage_matches_params(stage: int, groups: list[dict[str, Any]]) -> None:
