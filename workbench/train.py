@@ -97,8 +97,8 @@ class RunConfig:
 
             check_tensor_parallel_sizes(self.gpt_config(), self.tp)
             if self.zero not in TP_ZERO_STAGES:
-                raise ValueError(f"zero={self.zero} with tp={self.tp}: ZeRO-3 is not composed with tensor "
-                                 f"parallelism yet; valid with tp > 1: zero in {TP_ZERO_STAGES}")
+                raise ValueError(f"zero={self.zero} with tp={self.tp} is not composed; valid with tp > 1: zero in "
+                                 f"{TP_ZERO_STAGES}")
         per_rank, rem = divmod(self.batch_size, self.dp * self.grad_accum)
         if rem or per_rank == 0:
             raise ValueError(f"batch_size={self.batch_size} must be a positive multiple of dp x grad_accum = "

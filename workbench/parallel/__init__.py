@@ -77,11 +77,11 @@ def _clip_replicated(model: nn.Module) -> Callable[[float], float]:
     return lambda max_norm: float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
-#: ZeRO stages that compose with tensor parallelism here. ZeRO-2's buckets are built per param group, so
-#: tp-sharded and replicated parameters (norm shares 1 and 1/tp) and sequence-parallel ones (partial gradients)
-#: never share a bucket. ZeRO-3's units flatten a whole block, shards and replicated tensors together, so
-#: clipping would need per-element shares and SP per-segment sums: not built.
-TP_ZERO_STAGES = (0, 1, 2)
+#: ZeRO stages that compose with tensor parallelism: all. ZeRO-2's buckets are built per param group, so
+#: tp-sharded and replicated parameters (norm shares 1 and 1/tp) and sequence-parallel ones (partial
+#: gradients) never share a bucket; ZeRO-3's units flatten a whole block, so the shares and the partial sums
+#: go per segment of each shard (FSDP + TP, the "2D" layout of torchtitan).
+TP_ZERO_STAGES = (0, 1, 2, 3)
 
 
 def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
@@ -228,6 +228,8 @@ def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> P
         raise ValueError(f"ZeRO-{cfg.zero} with tensor parallelism (tp={mesh.tp_size}) is not composed yet; "
                          f"valid with tp > 1: zero in {TP_ZERO_STAGES}")
     (sequence.apply_sequence_parallel if cfg.sp else tensor.apply_tensor_parallel)(model, mesh)
+    if cfg.zero == 3:
+        return _zero3_tensor_parallel(model, mesh, cfg)
     if cfg.zero == 2:  # gradients live only as dp shards: the optimizer clips and sums SP's partials itself
         inner = _zero2(model, mesh, cfg, _tensor_parallel_param_groups(model, mesh), (mesh.tp_group,))
         finish, clip = inner.finish_grad_sync, inner.clip_grad_norm
@@ -241,6 +243,24 @@ def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> P
     return replace(inner, finish_grad_sync=finish, clip_grad_norm=clip,
                    full_parameters=lambda: tensor.full_parameters(model, mesh),
                    describe=f"TP={mesh.tp_size}{' + SP' if cfg.sp else ''} + {inner.describe}")
+
+
+def _zero3_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    """FSDP over dp of a TP model: each unit's tp-local parameters sharded over dp. Clipping weighs each
+    segment of a shard by its tp share; SP's partial gradients are summed over tp on their shard segments."""
+    from workbench.parallel import sequence, tensor
+    from workbench.parallel.zero import FullyShardedModel, ZeroOptimizer
+
+    shares = tensor.norm_weights(model, mesh)  # by the original names: read before the wrapper re-homes them
+    partial = [n for n, _ in sequence.sequence_parallel_parameters(model)]
+    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload)
+    sharded.set_norm_shares(shares)
+    optimizer = ZeroOptimizer(sharded.parameters(), torch.optim.AdamW, group=mesh.dp_group, stage=3,
+                              offload=cfg.offload, model_parallel_groups=(mesh.tp_group,), **_optimizer_kwargs(cfg))
+    finish = lambda: sharded.sum_partial_grads(partial, mesh.tp_group, sequence.SP_GRAD_TAG)  # noqa: E731
+    what = f"TP={mesh.tp_size}{' + SP' if cfg.sp else ''} + ZeRO-3" + (" + offload" if cfg.offload else "")
+    return Parallelized(sharded, optimizer, sharded.no_sync, finish, optimizer.clip_grad_norm_,
+                        lambda: tensor.gather_full(model, sharded.full_parameters(), mesh), lambda: None, what)
 
 
 def _tensor_parallel_param_groups(model: nn.Module, mesh: Any) -> list[dict[str, Any]]:

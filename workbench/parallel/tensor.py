@@ -541,8 +541,14 @@ def _gather(shard: torch.Tensor, dim: int | None, tp: TPGroup) -> torch.Tensor:
 
 def full_parameters(model: nn.Module, mesh_or_group: Any) -> dict[str, torch.Tensor]:
     """{name: the unsplit parameter}, the same names and shapes as the model before ``apply_plan``."""
+    return gather_full(model, dict(model.named_parameters()), mesh_or_group)
+
+
+def gather_full(model: nn.Module, local: dict[str, torch.Tensor], mesh_or_group: Any) -> dict[str, torch.Tensor]:
+    """{name: unsplit tensor} from this rank's tensors ``local`` of the split ``model``'s parameters, keyed by
+    their names (e.g. what a data-parallel wrapper that re-homes the parameters gathered back by name)."""
     tp = tp_group_of(mesh_or_group)
-    return {name: _gather(p, _shard_dim(model, name), tp) for name, p in model.named_parameters()}
+    return {name: _gather(t, _shard_dim(model, name), tp) for name, t in local.items()}
 
 
 def full_gradients(model: nn.Module, mesh_or_group: Any) -> dict[str, torch.Tensor | None]:
@@ -578,6 +584,6 @@ __all__ = [
     "BLOCK_PLAN", "STYLES", "ColumnParallelLinear", "CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion",
     "RowParallelLinear", "TPGroup", "TensorParallelStyles", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
     "apply_plan", "apply_tensor_parallel", "check_tensor_parallel_sizes", "clip_grad_norm_", "copy_to_tp_region",
-    "full_gradients", "full_parameters", "gpt_plan", "norm_weights", "reduce_from_tp_region", "tp_group_of",
-    "vocab_parallel_cross_entropy",
+    "full_gradients", "full_parameters", "gather_full", "gpt_plan", "norm_weights", "reduce_from_tp_region",
+    "tp_group_of", "vocab_parallel_cross_entropy",
 ]

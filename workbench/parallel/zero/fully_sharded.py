@@ -15,7 +15,7 @@ the autograd function whose backward is the moment to reduce-scatter (``_Unshard
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -343,6 +343,50 @@ class FullyShardedModel(nn.Module):
             else:
                 result[name] = self._frozen[name].detach().clone()
         return result
+
+    # -- a model also split over other ranks (tensor / sequence parallelism) ---------------------------------
+
+    def _local_segments(self, names: Mapping[str, Any]) -> Iterator[tuple[_Unit, int, int, Any]]:
+        """(unit, start, end, value): where in this rank's shard of its unit each named parameter lies."""
+        for name, value in names.items():
+            if name not in self._where:
+                continue
+            unit, i = self._where[name]
+            start = sum(unit.numels[:i]) - self.rank * unit.shard_numel
+            lo, hi = max(start, 0), min(start + unit.numels[i], unit.shard_numel)
+            if lo < hi:
+                yield unit, lo, hi, value
+
+    def set_norm_shares(self, shares: Mapping[str, float]) -> None:
+        """Weight each parameter's squared gradient norm by ``shares[name]`` (original names; default 1) when
+        ``ZeroOptimizer.clip_grad_norm_`` sums this rank's shards: a unit flattens tensor-parallel shards
+        (share 1) and tensors every tp rank holds whole (share 1/tp) into one shard, so the weights go per
+        segment (``_zero_norm_segments`` on the shard)."""
+        for unit in self._units:
+            unit.shard._zero_norm_segments = []
+        for unit, lo, hi, share in self._local_segments({n: float(s) for n, s in shares.items() if s != 1.0}):
+            unit.shard._zero_norm_segments.append((lo, hi, share))
+        for unit in self._units:
+            segments = sorted(unit.shard._zero_norm_segments)
+            covered = sum(hi - lo for lo, hi, _ in segments)
+            if covered < unit.shard_numel:  # the rest of the shard (and the padding, zero) counts fully
+                edges = [0, *[x for lo, hi, _ in segments for x in (lo, hi)], unit.shard_numel]
+                segments += [(a, b, 1.0) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b]
+            unit.shard._zero_norm_segments = sorted(segments)
+
+    @torch.no_grad()
+    def sum_partial_grads(self, names: Iterable[str], group: Any, tag: str) -> None:
+        """Add up over ``group`` the shard-gradient segments of the parameters ``names`` (original names),
+        whose gradients are partial sums over it (sequence parallelism: each tp rank saw its own positions).
+        Every rank of ``group`` holds the same unit layout, so segment meets segment; one flat all-reduce."""
+        segments = [(u, lo, hi) for u, lo, hi, _ in self._local_segments(dict.fromkeys(names))
+                    if u.shard.grad is not None]
+        if not segments or comm.group_size(group) == 1:
+            return
+        flat = torch.cat([u.shard.grad[lo:hi] for u, lo, hi in segments])
+        comm.all_reduce(flat, group=group, tag=tag)
+        for (u, lo, hi), summed in zip(segments, flat.split([hi - lo for _, lo, hi in segments]), strict=True):
+            u.shard.grad[lo:hi].copy_(summed)
 
     @property
     def units(self) -> list[str]:

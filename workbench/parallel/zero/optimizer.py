@@ -286,8 +286,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _owned_grads(self) -> list[tuple[torch.Tensor, float]]:
         """(gradient shard, this rank's share of its squared norm) of everything this rank steps."""
-        if self.stage == 3:
-            return [(t.grad, 1.0) for t in self._sharded if t.grad is not None]
+        if self.stage == 3:  # FullyShardedModel.set_norm_shares may have weighted segments of a shard
+            return [(t.grad[lo:hi], share) for t in self._sharded if t.grad is not None
+                    for lo, hi, share in getattr(t, "_zero_norm_segments", None) or [(0, t.numel(), 1.0)]]
         return [(b.shard_grad, b.norm_share) for b in self.buckets if b.shard_grad is not None]
 
     @torch.no_grad()
@@ -318,8 +319,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         total = local.sqrt() if op == "sum" else local
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if self.stage == 3:
-            for g, _ in grads:
-                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            for t in self._sharded:
+                if t.grad is not None:
+                    t.grad.mul_(coef.to(device=t.grad.device, dtype=t.grad.dtype))
         for b in self.buckets:
             if b.shard_grad is not None:  # a view of the model's .grad is scaled out of place: .grad stays put
                 c = coef.to(device=b.shard_grad.device, dtype=b.shard_grad.dtype)
