@@ -8,6 +8,7 @@ import pytest
 
 from workbench.theory.memory import activation_bytes, model_state_bytes, offloaded_bytes
 from workbench.theory.models import MODEL_PRESETS
+from workbench.theory.parallelism import Layout, analyze_layout
 from workbench.viz.memory import CATEGORY_COLORS, measured_vs_theory, memory_bars
 from workbench.widgets.memory_calculator import calculator_table, memory_calculator
 
@@ -88,6 +89,36 @@ def test_widget_custom_size_and_device_memory():
     assert w.table["device_gib"] == 24.0
     w.controls["custom_params_b"].value = 0.0  # invalid while typing: message shown, no exception
     assert "custom_params_b" in w.summary.value
+
+
+def test_calculator_table_takes_the_run_layout():
+    layout = Layout(dp=2, tp=8, pp=4, sp=True, zero_stage=1, schedule="interleaved", microbatches=8, virtual_stages=2)
+    t = calculator_table("llama-70B", dp=2, zero_stage=1, batch=1, tp=8, sp=True, pp=4, schedule="interleaved",
+                         microbatches=8, virtual_stages=2)
+    theory = analyze_layout("llama-70B", layout, micro_batch=1)
+    assert t["per_rank"] == theory["memory"]["per_rank"] and t["worst_stage"] == theory["memory"]["worst"]
+    assert t["nproc"] == 64 and len(t["stages"]) == 4
+    assert t["bubble"] == pytest.approx(3 / (2 * 8 + 3))  # interleaved: (p-1)/(v·m + p-1)
+    assert t["peak_in_flight"] == [r["peak_in_flight"] for r in theory["memory"]["ranks"]]
+    assert t["comm"] == theory["comm"] and t["comm"]["tp"]["time_s"] > 0
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        calculator_table("llama-7B", tp=3)
+    custom = calculator_table("custom", custom_params_b=8.0, tp=2, pp=4, microbatches=4, precision="fp32")
+    assert custom["total_bytes"] == pytest.approx(16 * 8e9 / 8) and custom["comm"] == {}
+    assert custom["bubble"] == pytest.approx(3 / 7)
+
+
+def test_widget_shows_layout_bubble_and_communication():
+    w = memory_calculator("llama-70B")
+    c = w.controls
+    c["dp"].value, c["tp"].value, c["pp"].value, c["microbatches"].value = 2, 8, 4, 16
+    assert w.table == calculator_table(**w.inputs())
+    assert w.table["nproc"] == 64 and "on 64 ranks" in w.summary.value
+    assert "pipeline bubble: 15.8%" in w.summary.value
+    assert "communication per step" in w.summary.value and "NVLink" in w.summary.value
+    assert "tp = 8, pp = 4" in w.figure.layout.title.text
+    c["pp"].value = 81  # more stages than the 80 layers: said in the summary, no exception
+    assert "81 pipeline stages but the model has only 80 layers" in w.summary.value
 
 
 def test_memory_bars_and_measured_vs_theory():

@@ -20,30 +20,42 @@ from workbench.theory.pipeline import SCHEDULES
 PIPELINE_SCHEDULES = tuple(SCHEDULES)
 
 
-def _run_parser(sub: Any) -> None:
-    p = sub.add_parser("run", help="train the tiny GPT on N ranks; write summary.json and report.html")
+def _strategy_flags(p: argparse.ArgumentParser) -> None:
+    """How the ranks split the training: defined once, for ``run`` and ``calc`` alike, so the two cannot drift.
+
+    ``calc`` changes two defaults (``set_defaults`` in ``_calc_parser``): no --batch-size (activations are then
+    left out) and, without --nproc or --dp, one node of 8 data-parallel ranks."""
     p.add_argument("--nproc", type=int, default=None,
-                   help="number of ranks (1 = the single-process baseline; under torchrun: its WORLD_SIZE)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: nproc / tp)")
+                   help="number of ranks = dp x tp x pp (run: default 1, the single-process baseline, or torchrun's "
+                        "WORLD_SIZE; calc: default dp x tp x pp)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size (default: nproc / (tp x pp); calc without --nproc: 8)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads, MLP and vocabulary split)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism over the tp ranks (needs --tp > 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages of layers)")
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="pipeline schedule")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default 2 x pp)")
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per rank (--schedule interleaved)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="GLOBAL batch, split across data-parallel ranks (and into micro-batches); run: default 16; "
+                        "calc: default none, activations left out")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0, help="ZeRO stage")
+    p.add_argument("--offload", action="store_true", help="offload optimizer state (and stage-3 params) to CPU")
+
+
+def _run_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="train the tiny GPT on N ranks; write summary.json and report.html")
+    _strategy_flags(p)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, split across data-parallel ranks")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
     p.add_argument("--model", default="tiny", help="GPT preset: tiny, small, bench")
-    p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--clip", type=float, default=1.0, help="max global grad norm (0 disables)")
     p.add_argument("--seed", type=int, default=0, help="fixes model init and data order")
     p.add_argument("--ddp", choices=DDP_KINDS, default="bucketed", help="gradient synchronisation")
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0, help="ZeRO stage")
-    p.add_argument("--offload", action="store_true", help="offload optimizer state (and stage-3 params) to CPU")
     p.add_argument("--data", default=None, help="a text file to train on instead of the bundled corpus")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     p.add_argument("--device", choices=VALID_DEVICES, default=None,
@@ -212,26 +224,122 @@ def _print_summary(summary: dict[str, Any], out: str) -> None:
     print(f"wrote {out}/summary.json and {out}/report.html")
 
 
+CALC_DEFAULT_DP = 8  # calc without --nproc or --dp: one node of 8 devices
+
+
+def _link(text: str) -> Any:
+    """``GBPS,US``: a link's bandwidth in GB/s and latency in microseconds, e.g. ``50,10``."""
+    from workbench.theory.parallelism import Link
+
+    try:
+        gbps, us = (float(x) for x in text.split(","))
+        return Link(alpha=us * 1e-6, bandwidth=gbps * 1e9, name=f"{gbps:g} GB/s, {us:g} µs")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected BANDWIDTH_GBPS,LATENCY_US such as 50,10, got {text!r} "
+                                         f"({exc})") from None
+
+
 def _calc_parser(sub: Any) -> None:
-    p = sub.add_parser("calc", help="per-rank memory of a training configuration (theory)")
+    from workbench.theory.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE_MODES
+    from workbench.theory.parallelism import DEFAULT_LINKS
+
+    p = sub.add_parser("calc", help="per-rank memory, pipeline bubble and communication of a layout (theory)",
+                       description="Theory for the layout that `workbench run` takes the same flags for, on a "
+                                   "model of any size: per-rank memory by category (the worst pipeline rank), "
+                                   "whether it fits, the pipeline bubble and an α-β communication estimate per "
+                                   "axis (workbench.theory.parallelism).")
+    _strategy_flags(p)
+    p.set_defaults(batch_size=None)
     p.add_argument("--model", default="llama-7B", help="a preset of workbench.theory.models.MODEL_PRESETS")
-    p.add_argument("--dp", type=int, default=8)
-    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0)
-    p.add_argument("--precision", default="bf16-mixed")
-    p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--offload", action="store_true")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
+    p.add_argument("--device-gb", type=float, default=80.0, help="device memory in GiB, for 'fits'")
+    for axis, link in DEFAULT_LINKS.items():
+        p.add_argument(f"--{axis}-link", type=_link, default=None, metavar="GBPS,US",
+                       help=f"{axis} axis bandwidth (GB/s) and latency (µs); default {link.name}")
+
+
+def _calc_layout(args: argparse.Namespace) -> Any:
+    """The run flags as a ``theory.parallelism.Layout``, with ``run``'s defaults for dp and micro-batches."""
+    from workbench.theory.parallelism import Layout
+
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"nproc must be a positive int, got {args.nproc}")
+    sizes_ok = all(isinstance(v, int) and v > 0 for v in (args.tp, args.pp))
+    model_parallel = args.tp * args.pp if sizes_ok else 1
+    if args.dp is not None:
+        dp = args.dp
+    else:
+        dp = max(1, args.nproc // model_parallel) if args.nproc is not None else CALC_DEFAULT_DP
+    pp = args.pp if sizes_ok else 1
+    microbatches = args.microbatches if args.microbatches is not None else (2 * pp if pp > 1 else 1)
+    layout = Layout(dp=dp, tp=args.tp, pp=args.pp, sp=args.sp, zero_stage=args.zero, schedule=args.schedule,
+                    microbatches=microbatches, virtual_stages=args.virtual_stages, offload=args.offload)
+    layout.validate(args.model, args.seq_len, nproc=args.nproc)
+    return layout
 
 
 def _calc(args: argparse.Namespace) -> None:
+    from workbench.theory.models import MODEL_PRESETS
+    from workbench.theory.parallelism import micro_batch_size
     from workbench.widgets.memory_calculator import calculator_table
 
-    table = calculator_table(model=args.model, dp=args.dp, zero_stage=args.zero, precision=args.precision,
-                             optimizer=args.optimizer, offload=args.offload)
-    print(f"{table['model']}: {table['n_params']:,} parameters, dp={args.dp}, ZeRO-{args.zero}, "
-          f"{args.precision}, {args.optimizer}  [{table['formula']}]")
+    if args.model not in MODEL_PRESETS:
+        raise ValueError(f"unknown model {args.model!r}; valid choices: {', '.join(sorted(MODEL_PRESETS))}")
+    if args.seq_len is not None and (args.seq_len < 1):
+        raise ValueError(f"seq_len must be a positive int, got {args.seq_len}")
+    layout = _calc_layout(args)
+    micro = micro_batch_size(args.batch_size, layout.dp, layout.microbatches) if args.batch_size is not None else 0
+    links = {axis: getattr(args, f"{axis}_link") for axis in ("dp", "tp", "pp") if getattr(args, f"{axis}_link")}
+    kwargs = dict(model=args.model, dp=layout.dp, zero_stage=layout.zero_stage, precision=args.precision,
+                  optimizer=args.optimizer, offload=layout.offload, seq_len=args.seq_len, recompute=args.recompute,
+                  device_gb=args.device_gb, tp=layout.tp, sp=layout.sp, pp=layout.pp, schedule=layout.schedule,
+                  microbatches=layout.microbatches, virtual_stages=layout.virtual_stages, links=links)
+    table = calculator_table(batch=micro, **kwargs)
+    _print_calc(args, layout, table, micro)
+    if not micro:
+        one = calculator_table(batch=1, **kwargs)  # the fullest rank may change once activations count
+        print(f"  activations not counted: pass --batch-size (the global batch, as for run); with one sequence\n"
+              f"  per micro-batch (--batch-size {layout.dp * layout.microbatches}) the fullest rank holds "
+              f"{one['per_rank']['activations'] / 2**30:.2f} GiB of them, {one['total_gib']:.2f} GiB in all")
+    _print_calc_pipeline_and_comm(table, layout)
+
+
+def _print_calc(args: argparse.Namespace, layout: Any, table: dict[str, Any], micro: int) -> None:
+    axes = f"dp {layout.dp} x tp {layout.tp}{' (+sp)' if layout.sp else ''} x pp {layout.pp}"
+    print(f"{table['model']}: {table['n_params']:,} parameters, nproc={layout.nproc} = {axes}, ZeRO-{layout.zero_stage}"
+          f"{' + offload' if layout.offload else ''}, {args.precision}, {args.optimizer}  [{table['formula']}]")
+    worst = table["stages"][table["worst_stage"]]
+    if layout.pp > 1:
+        print(f"per rank on pipeline rank {worst['pp_rank']} (stages {worst['stages']}, {worst['layers']} layers; "
+              f"the fullest of {layout.pp}):")
+    if micro:
+        print(f"  micro-batch: {micro} sequence(s) per rank, {layout.microbatches} per step, "
+              f"recompute={args.recompute}")
     for category, nbytes in table["per_rank"].items():
         print(f"  {category:<16} {nbytes / 2**30:10.2f} GiB")
     print(f"  {'total per rank':<16} {table['total_gib']:10.2f} GiB")
+    print(f"  fits in {table['device_gib']:g} GiB: {'yes' if table['fits'] else 'NO'}"
+          + (f"  (offloaded to CPU: {table['cpu_gib']:.2f} GiB per rank)" if table["cpu_gib"] else ""))
+
+
+def _print_calc_pipeline_and_comm(table: dict[str, Any], layout: Any) -> None:
+    print(f"pipeline: {layout.schedule}, pp={layout.pp}, {layout.microbatches} micro-batch(es), "
+          f"v={layout.virtual_stages}: bubble {table['bubble']:.1%}, peak in-flight "
+          f"{'(stage, micro-batch) pairs' if layout.virtual_stages > 1 else 'micro-batches'} per pipeline rank "
+          f"{table['peak_in_flight']}")
+    comm = table["comm"]
+    print(f"communication per step (α-β ring model, {table['comm_micro_batch']} sequence(s) per micro-batch, "
+          f"nothing overlapped), on the slowest pipeline rank:")
+    for axis in ("dp", "tp", "pp"):
+        c = comm[axis]
+        if c["group_size"] == 1:
+            print(f"  {axis}     1 rank   no traffic")
+            continue
+        print(f"  {axis}  {c['group_size']:>4} ranks  {c['wire_bytes'] / 1e9:10.3f} GB sent per rank  "
+              f"{c['time_s'] * 1e3:10.2f} ms  [{c['link']['name']}]")
+    print(f"  {'total':<45}{comm['total_time_s'] * 1e3:10.2f} ms")
 
 
 def _bench(rest: list[str]) -> int:
@@ -245,10 +353,8 @@ def _bench(rest: list[str]) -> int:
     return subprocess.call([sys.executable, str(script), *rest])
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # every later flag belongs to benchmarks/run.py
-        return _bench(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The ``workbench`` parser with its run, calc, bench and env subcommands."""
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
@@ -256,6 +362,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="run benchmarks/run.py (ours beside PyTorch's built-ins); flags pass through")
     env = sub.add_parser("env", help="what this machine offers a run: torch, backends, GPUs, cores, sensible --nproc")
     env.add_argument("--json", action="store_true", help="print the facts as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every later flag belongs to benchmarks/run.py
+        return _bench(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(parser, args)

@@ -4,7 +4,9 @@ Every measured figure in the course is drawn beside a prediction from here:
 - `memory`: per-rank bytes of parameters, gradients, master weights, optimizer state (ZeRO paper §5.1)
   and activations (Korthikanti et al. 2022);
 - `comm`: α-β (Hockney) times of ring/tree/hierarchical collectives, bus bytes, bytes per DP step;
-- `models`: exact GPT parameter counts and named model sizes.
+- `models`: exact GPT parameter counts and named model sizes;
+- `pipeline`: schedules as per-rank action lists, their bubble and in-flight micro-batches;
+- `parallelism`: a (dp, tp, pp) layout's memory per rank, traffic per axis and bubble, from all of the above.
 """
 
 from workbench.theory.comm import (
@@ -28,10 +30,12 @@ from workbench.theory.memory import (
     total_bytes,
 )
 from workbench.theory.models import MODEL_PRESETS, activation_bytes_per_layer, gpt_param_count
+from workbench.theory.parallelism import Layout, Link, analyze_layout, layout_comm, layout_memory
 
 __all__ = [
-    "MODEL_PRESETS", "OPTIMIZERS", "PRECISIONS", "activation_bytes", "activation_bytes_per_layer",
-    "all_gather_time", "bus_bandwidth", "bus_bytes", "dp_step_volume", "fit_alpha_beta", "formula",
-    "gpt_param_count", "hierarchical_allreduce_time", "model_state_bytes", "offloaded_bytes",
-    "reduce_scatter_time", "ring_allreduce_time", "total_bytes", "tree_allreduce_time",
+    "MODEL_PRESETS", "OPTIMIZERS", "PRECISIONS", "Layout", "Link", "activation_bytes", "activation_bytes_per_layer",
+    "all_gather_time", "analyze_layout", "bus_bandwidth", "bus_bytes", "dp_step_volume", "fit_alpha_beta",
+    "formula", "gpt_param_count", "hierarchical_allreduce_time", "layout_comm", "layout_memory",
+    "model_state_bytes", "offloaded_bytes", "reduce_scatter_time", "ring_allreduce_time", "total_bytes",
+    "tree_allreduce_time",
 ]

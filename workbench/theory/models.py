@@ -50,7 +50,7 @@ def gpt_param_count(
 def _gpt_preset(n_layer: int, d_model: int, n_head: int, vocab_size: int, seq_len: int, note: str) -> dict:
     return {
         "n_layer": n_layer, "d_model": d_model, "n_head": n_head, "vocab_size": vocab_size,
-        "seq_len": seq_len, "dropout": False, "exact": True, "note": note,
+        "seq_len": seq_len, "dropout": False, "exact": True, "note": note, "arch": "gpt",
         "n_params": gpt_param_count(n_layer, d_model, vocab_size, seq_len),
     }
 
@@ -59,11 +59,14 @@ def _llama_preset(n_layer: int, d_model: int, n_head: int, n_params: int, note: 
     # vocab 32000 and a 4096 context as in Llama 2; no dropout in these models.
     return {
         "n_layer": n_layer, "d_model": d_model, "n_head": n_head, "vocab_size": 32000,
-        "seq_len": 4096, "dropout": False, "exact": False, "note": note, "n_params": n_params,
+        "seq_len": 4096, "dropout": False, "exact": False, "note": note, "n_params": n_params, "arch": "llama",
     }
 
 
-# Named sizes. "exact" says whether n_params is our own GPT's count or a published approximate total.
+# Named sizes. "exact" says whether n_params is our own GPT's count or a published approximate total; "arch"
+# says how the parameters are laid out ("gpt": ours, LayerNorm + biases, learned positions, tied head;
+# "llama": RMSNorm, no biases, rotary positions, untied head), which `theory.parallelism` needs to place
+# them on tensor- and pipeline-parallel ranks.
 MODEL_PRESETS: dict[str, dict] = {
     "tiny-gpt": _gpt_preset(2, 64, 4, 256, 64, "the course's smallest GPT: tests and labs"),
     "bench-gpt": _gpt_preset(6, 384, 6, 256, 128, "the course's benchmark GPT"),

@@ -30,7 +30,7 @@ Pure Python: no torch, no workbench imports.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
@@ -362,6 +362,21 @@ def peak_in_flight(actions: Iterable[Action]) -> int:
     held, peak = 0, 0
     for a in actions:
         held += 1 if a.kind == "F" else -1 if a.kind in ("B", "I") else 0
+        peak = max(peak, held)
+    return peak
+
+
+def peak_held_layers(actions: Iterable[Action], layers_per_stage: Sequence[int]) -> int:
+    """``peak_in_flight`` weighted by layers: the most layer-micro-batches whose activations one rank holds.
+
+    A forward of stage s adds ``layers_per_stage[s]`` layers' activations of one micro-batch, its B (or I)
+    frees them. With equal stages this is ``peak_in_flight × layers per stage``; with uneven ones (the
+    first stages get the extra layers, ``stage_layers``) it weighs each held micro-batch by its stage.
+    """
+    held, peak = 0, 0
+    for a in actions:
+        sign = 1 if a.kind == "F" else -1 if a.kind in ("B", "I") else 0
+        held += sign * layers_per_stage[a.stage]
         peak = max(peak, held)
     return peak
 

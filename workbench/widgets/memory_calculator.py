@@ -1,7 +1,9 @@
 """Memory calculator: how many bytes per rank does a model need, and does it fit one device?
 
 The numbers come from `workbench.theory` (ZeRO paper §5.1 for model states, Korthikanti et al. 2022
-for activations). `calculator_table` is the whole calculation as a pure function, so tests and the CLI
+for activations, `theory.parallelism` for where tensor and pipeline parallelism put them, `theory.pipeline`
+for the schedule's bubble and in-flight micro-batches, `theory.comm` for the α-β time of each axis's
+traffic). `calculator_table` is the whole calculation as a pure function, so tests and the CLI
 use exactly what the widget shows; the widget only collects inputs and draws.
 """
 
@@ -18,18 +20,21 @@ from workbench.theory.memory import (
     PRECISIONS,
     RECOMPUTE_MODES,
     ZERO_STAGES,
-    activation_bytes,
     formula,
     model_state_bytes,
     offloaded_bytes,
     to_unit,
 )
 from workbench.theory.models import MODEL_PRESETS
+from workbench.theory.parallelism import AXES, Layout, Link, analyze_layout
+from workbench.theory.pipeline import SCHEDULES, bubble_fraction
+from workbench.theory.pipeline import validate as validate_schedule
 from workbench.viz.memory import memory_bars
 
 CUSTOM = "custom"
 DEVICE_MEMORY_GB: tuple[int, ...] = (24, 40, 80, 141)  # RTX 4090/A100-40/A100-80, H100/H200
 DP_CHOICES: tuple[int, ...] = tuple(2**k for k in range(11))  # 1 .. 1024
+TP_CHOICES: tuple[int, ...] = tuple(2**k for k in range(7))  # 1 .. 64
 
 
 def _n_params(model: str, custom_params_b: float | None) -> int:
@@ -41,15 +46,6 @@ def _n_params(model: str, custom_params_b: float | None) -> int:
         choices = ", ".join(sorted([*MODEL_PRESETS, CUSTOM]))
         raise ValueError(f"unknown model {model!r}; valid choices: {choices}")
     return MODEL_PRESETS[model]["n_params"]
-
-
-def _activations(model: str, batch: int, seq_len: int | None, precision: str, recompute: str) -> float:
-    """Saved activations of one micro-batch (not sharded by data parallelism: each rank has its own)."""
-    shape = MODEL_PRESETS[model]
-    bytes_per_value = 4 if precision == "fp32" else 2
-    s = seq_len or shape["seq_len"]
-    return activation_bytes(batch, s, shape["d_model"], shape["n_layer"], shape["n_head"], bytes_per_value,
-                            recompute, dropout=shape["dropout"])
 
 
 def calculator_table(
@@ -64,32 +60,78 @@ def calculator_table(
     seq_len: int | None = None,
     recompute: str = "none",
     device_gb: float = 80,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    virtual_stages: int = 1,
+    links: dict[str, Link] | None = None,
 ) -> dict:
     """Per-rank memory for one configuration, as plain numbers.
 
-    Returns model, n_params, per_rank (device bytes by category, "activations" included when
-    batch > 0), cpu (offloaded bytes by category), total_bytes, total_gib, cpu_gib, device_gib, fits,
-    formula and notes. device_gb is read as GiB: an "80 GB" H100 has 80 GiB of HBM, of which the CUDA
+    Returns model, n_params, per_rank (device bytes by category of the worst pipeline rank, "activations"
+    included when batch > 0), cpu (offloaded bytes by category), total_bytes, total_gib, cpu_gib,
+    device_gib, fits, formula and notes; and, for the layout: nproc, stages (one row per pipeline rank),
+    worst_stage, bubble, peak_in_flight (per pipeline rank), comm (per axis, ``theory.parallelism.layout_comm``)
+    and comm_micro_batch. device_gb is read as GiB: an "80 GB" H100 has 80 GiB of HBM, of which the CUDA
     context and allocator reserve take some, so "fits" is optimistic by a GiB or two.
+
+    ``batch`` is the micro-batch of one rank (sequences), 0 to leave activations out; the tp and pp traffic
+    then assume one sequence per micro-batch. tp, sp, pp, schedule, microbatches and virtual_stages are
+    ``workbench run``'s flags (``theory.parallelism.Layout``).
     """
+    layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero_stage=zero_stage, schedule=schedule,
+                    microbatches=microbatches, virtual_stages=virtual_stages, offload=offload)
+    if model == CUSTOM:
+        return _custom_table(layout, custom_params_b, precision, optimizer, batch, device_gb)
     n_params = _n_params(model, custom_params_b)
-    per_rank = model_state_bytes(n_params, dp, zero_stage, precision, optimizer, offload)
-    cpu = offloaded_bytes(n_params, dp, zero_stage, precision, optimizer, offload)
+    result = analyze_layout(model, layout, precision, optimizer, batch, seq_len, recompute, links)
+    memory = result["memory"]
+    worst = memory["ranks"][memory["worst"]]
     notes: list[str] = []
-    if batch and model == CUSTOM:
-        notes.append("activations need a model shape: pick a preset to include them")
-    elif batch:
-        per_rank["activations"] = _activations(model, batch, seq_len, precision, recompute)
-        notes.append(f"activations: Korthikanti et al. 2022, micro-batch {batch}, recompute={recompute}")
-    if model != CUSTOM and not MODEL_PRESETS[model]["exact"]:
+    if batch:
+        notes.append(f"activations: Korthikanti et al. 2022, micro-batch {batch}, recompute={recompute}, "
+                     f"{worst['peak_in_flight']} micro-batch(es) in flight on the worst pipeline rank")
+    if not MODEL_PRESETS[model]["exact"]:
         notes.append("parameter count: published total; activations use the GPT estimate (4h MLP)")
+    stages = [{k: r[k] for k in ("pp_rank", "stages", "layers", "params", "peak_in_flight", "total")}
+              for r in memory["ranks"]]
+    return _finish_table(model, n_params, dict(memory["per_rank"]), worst["cpu"], layout, device_gb, precision,
+                         optimizer, notes, stages=stages, worst_stage=memory["worst"], bubble=result["bubble"],
+                         peak_in_flight=[r["peak_in_flight"] for r in memory["ranks"]], comm=result["comm"],
+                         comm_micro_batch=result["comm_micro_batch"])
+
+
+def _custom_table(layout: Layout, custom_params_b: float | None, precision: str, optimizer: str, batch: int,
+                  device_gb: float) -> dict:
+    """A size without a shape: parameters split evenly over tp x pp, no activations, no tp/pp traffic."""
+    n_params = _n_params(CUSTOM, custom_params_b)
+    validate_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    if layout.sp and layout.tp == 1:
+        raise ValueError("sp (sequence parallelism) needs tp > 1")
+    local = n_params / (layout.tp * layout.pp)
+    per_rank = model_state_bytes(local, layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
+    cpu = offloaded_bytes(local, layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
+    notes = ["activations need a model shape: pick a preset to include them"] if batch else []
+    if layout.tp * layout.pp > 1:
+        notes.append("custom size: parameters split evenly over tp x pp; pick a preset for tp/pp traffic")
+    return _finish_table(CUSTOM, n_params, per_rank, cpu, layout, device_gb, precision, optimizer, notes,
+                         stages=[], worst_stage=0, peak_in_flight=[],
+                         bubble=bubble_fraction(layout.schedule, layout.pp, layout.microbatches,
+                                                layout.virtual_stages), comm={}, comm_micro_batch=0)
+
+
+def _finish_table(model: str, n_params: int, per_rank: dict, cpu: dict, layout: Layout, device_gb: float,
+                  precision: str, optimizer: str, notes: list[str], **extra) -> dict:
     total = sum(per_rank.values())
     return {
         "model": model, "n_params": n_params, "per_rank": per_rank, "cpu": cpu,
         "total_bytes": total, "total_gib": to_unit(total, "GiB"),
         "cpu_gib": to_unit(sum(cpu.values()), "GiB"), "device_gib": float(device_gb),
         "fits": to_unit(total, "GiB") <= device_gb,
-        "formula": formula(zero_stage, precision, optimizer, offload), "notes": notes,
+        "formula": formula(layout.zero_stage, precision, optimizer, layout.offload), "notes": notes,
+        "nproc": layout.nproc, **extra,
     }
 
 
@@ -113,11 +155,29 @@ def _summary_html(table: dict) -> str:
     colour = "green" if table["fits"] else "crimson"
     cpu = f"<br>offloaded to CPU: {table['cpu_gib']:.2f} GiB per rank" if table["cpu_gib"] else ""
     notes = "".join(f"<br><i>{n}</i>" for n in table["notes"])
-    return (f"<b>{table['model']}</b>: {table['n_params'] / 1e9:.3g} B parameters (Ψ)"
-            f"<table><tr><th>category</th><th>GiB per rank</th></tr>{rows}</table>"
+    where = (f" (worst pipeline rank: {table['worst_stage']} of {len(table['stages'])})"
+             if len(table["stages"]) > 1 else "")
+    return (f"<b>{table['model']}</b>: {table['n_params'] / 1e9:.3g} B parameters (Ψ) on {table['nproc']} ranks"
+            f"<table><tr><th>category</th><th>GiB per rank{where}</th></tr>{rows}</table>"
             f"<b>total per rank: {table['total_gib']:.2f} GiB</b> — "
             f"<span style='color:{colour}'>{verdict} in {table['device_gib']:g} GiB</span>{cpu}"
-            f"<br>model states per rank = <code>{table['formula']}</code> (N = dp){notes}")
+            f"<br>model states per rank = <code>{table['formula']}</code> (Ψ = this rank's parameters, N = dp)"
+            f"<br>pipeline bubble: {table['bubble']:.1%} of every rank's step time{_comm_html(table)}{notes}")
+
+
+def _comm_html(table: dict) -> str:
+    """The per-axis communication estimate as a small table (absent for a custom size)."""
+    comm = table["comm"]
+    if not comm:
+        return ""
+    rows = "".join(
+        f"<tr><td>{axis}</td><td style='text-align:right'>{comm[axis]['group_size']}</td>"
+        f"<td style='text-align:right'>{comm[axis]['wire_bytes'] / 1e9:.3g}</td>"
+        f"<td style='text-align:right'>{comm[axis]['time_s'] * 1e3:.3g}</td><td>{comm[axis]['link']['name']}</td></tr>"
+        for axis in AXES)
+    return (f"<br>communication per step (α-β ring model, micro-batch {table['comm_micro_batch']}, not overlapped):"
+            f"<table><tr><th>axis</th><th>ranks</th><th>GB sent per rank</th><th>ms</th><th>link</th></tr>{rows}"
+            f"</table>total {comm['total_time_s'] * 1e3:.3g} ms")
 
 
 class MemoryCalculator(widgets.VBox):
@@ -149,6 +209,8 @@ class MemoryCalculator(widgets.VBox):
             "offload": c["offload"].value, "custom_params_b": c["custom_params_b"].value,
             "batch": c["batch"].value if c["activations"].value else 0, "seq_len": c["seq_len"].value,
             "recompute": c["recompute"].value, "device_gb": c["device_gb"].value,
+            "tp": c["tp"].value, "sp": c["sp"].value, "pp": c["pp"].value, "schedule": c["schedule"].value,
+            "microbatches": c["microbatches"].value, "virtual_stages": c["virtual_stages"].value,
         }
 
     def update(self) -> None:
@@ -186,7 +248,8 @@ def _stage_figure(kwargs: dict, table: dict) -> go.Figure:
     for stage in ZERO_STAGES:
         row = calculator_table(**{**kwargs, "zero_stage": stage})
         per_stage[f"ZeRO-{stage}" + (" ◀" if stage == kwargs["zero_stage"] else "")] = row["per_rank"]
-    title = f"{table['model']}, dp = {kwargs['dp']}, {kwargs['precision']}, {kwargs['optimizer']}"
+    shape = f"dp = {kwargs['dp']}" + "".join(f", {a} = {kwargs[a]}" for a in ("tp", "pp") if kwargs[a] > 1)
+    title = f"{table['model']}, {shape}, {kwargs['precision']}, {kwargs['optimizer']}"
     fig = memory_bars(per_stage, title=title + (", offload" if kwargs["offload"] else ""), unit="GiB")
     fig.add_hline(y=table["device_gib"], line_dash="dash", line_color="crimson",
                   annotation_text=f"device {table['device_gib']:g} GiB")
@@ -214,6 +277,13 @@ def _make_controls(default_model: str) -> dict[str, widgets.ValueWidget]:
         "seq_len": widgets.BoundedIntText(value=preset["seq_len"], min=1, max=1 << 20, description="seq len"),
         "recompute": widgets.Dropdown(options=list(RECOMPUTE_MODES), value="none", description="recompute"),
         "device_gb": widgets.Dropdown(options=list(DEVICE_MEMORY_GB), value=80, description="device GiB"),
+        "tp": widgets.Dropdown(options=list(TP_CHOICES), value=1, description="tp"),
+        "sp": widgets.Checkbox(value=False, description="sequence parallel"),
+        "pp": widgets.BoundedIntText(value=1, min=1, max=256, description="pp"),
+        "schedule": widgets.Dropdown(options=list(SCHEDULES), value="1f1b", description="schedule"),
+        "microbatches": widgets.BoundedIntText(value=1, min=1, max=4096, description="micro-batches"),
+        "virtual_stages": widgets.BoundedIntText(value=1, min=1, max=64, description="virtual stages",
+                                                 style=style),
     }
 
 
@@ -221,6 +291,8 @@ def _layout_controls(c: dict[str, widgets.ValueWidget]) -> widgets.Widget:
     return widgets.VBox([
         widgets.HBox([c["model"], c["custom_params_b"]]),
         widgets.HBox([c["dp"], c["zero_stage"]]),
+        widgets.HBox([c["tp"], c["sp"], c["pp"]]),
+        widgets.HBox([c["schedule"], c["microbatches"], c["virtual_stages"]]),
         widgets.HBox([c["precision"], c["optimizer"], c["offload"]]),
         widgets.HBox([c["activations"], c["batch"], c["seq_len"], c["recompute"]]),
         c["device_gb"],
