@@ -308,3 +308,19 @@ def test_stage_loss_sums_to_the_mean():
     targets = torch.tensor([[0, 1, 2], [3, 4, 0], [1, 1, 1], [2, 2, 2]])
     parts = sum(stage_loss(lg, t, targets.numel()) for lg, t in zip(logits.chunk(2), targets.chunk(2), strict=True))
     torch.testing.assert_close(parts, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+def test_a_hand_written_plan_runs_and_is_checked_first():
+    """``Pipeline(plan=...)`` runs a plan given as data (lab 08's); one that breaks the rules is refused before
+    anything runs, naming what is wrong."""
+    x, y = _batch(0)
+    model = build_gpt(GPT4, seed=0)
+    loss = model(x, y)
+    by_hand = [[a for a in tp.gpipe(1, MICROBATCHES)[0]]]
+    pipe = Pipeline(build_gpt(GPT4, seed=0), None, microbatches=MICROBATCHES, plan=by_hand)
+    assert pipe.schedule == "custom" and pipe.forward_backward(x, y).item() == pytest.approx(loss.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="one stage per rank: got 2 action lists"):
+        Pipeline(build_gpt(GPT4, seed=0), None, microbatches=MICROBATCHES, plan=tp.gpipe(2, MICROBATCHES))
+    missing = [[a for a in by_hand[0] if (a.kind, a.microbatch) != ("B", 0)]]
+    with pytest.raises(ValueError, match="stage 0 micro-batch 0 needs B, or I and W"):
+        Pipeline(build_gpt(GPT4, seed=0), None, microbatches=MICROBATCHES, plan=missing)

@@ -298,19 +298,27 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, group: Any = None, schedule: str = "1f1b", microbatches: int = 4,
                  virtual_stages: int = 1, loss_fn: Callable[..., torch.Tensor] | None = None,
-                 seq_shards: int = 1) -> None:
+                 seq_shards: int = 1, plan: theory.Plan | None = None) -> None:
         """``loss_fn(logits, targets, total_tokens)`` is the last stage's loss (default ``stage_loss``; a
         tensor-parallel model passes its vocab-parallel loss, its head giving this rank's vocab slice).
         ``seq_shards``: the hidden state between stages holds seq_len/seq_shards positions (sequence
         parallelism over tp: each tp rank sends only its positions to the same tp rank of the next stage, so
-        the p2p volume drops by tp, Megatron-LM's scatter/gather across stages, Narayanan et al. 2021 §4.1)."""
+        the p2p volume drops by tp, Megatron-LM's scatter/gather across stages, Narayanan et al. 2021 §4.1).
+        ``plan``: a hand-written plan (every rank's action list, one stage per rank and ``microbatches``
+        micro-batches) to run instead of ``schedule``'s; it is checked (``check_plan``, then ``simulate``,
+        which names the actions a deadlocking order would wait on) before anything runs."""
         p, rank = comm.group_size(group), comm.group_rank(group)
         self.loss_fn = loss_fn or stage_loss
-        plan = theory.make_plan(schedule, p, microbatches, virtual_stages, model.cfg.n_layer)
+        if plan is None:
+            plan = theory.make_plan(schedule, p, microbatches, virtual_stages, model.cfg.n_layer)
+        else:
+            _check_custom_plan(plan, p, microbatches, virtual_stages)
+            schedule = "custom"
         self.group, self.p, self.rank = group, p, rank
         self.schedule, self.microbatches, self.virtual_stages = schedule, microbatches, virtual_stages
         self.plan = plan[rank]
         self.steps = theory.with_communication(plan)[rank]
+        self.segments = _segments(self.steps)
         self.full_names = [name for name, _ in model.named_parameters()]
         self.d_model = model.cfg.d_model
         self.seq_shards = seq_shards
@@ -341,15 +349,17 @@ class Pipeline:
         return self._broadcast_loss(st)
 
     def _run(self, st: _StepState) -> None:
-        batch: list[Action] = []
-        for action in self.steps:
-            if action.is_compute:
-                self._communicate(batch, st)
-                batch = []
+        """Each segment: a batch of messages, then (but for the last) one compute action. The receives of
+        the *next* batch are posted before this compute, so their transfers run while it computes; posting a
+        receive never blocks, and batches are posted in plan order, so every link still matches in order."""
+        early: dict[Action, comm.Work] = {}
+        for i, (batch, action) in enumerate(self.segments):
+            self._communicate(batch, st, early)
+            if action is not None:
+                if i + 1 < len(self.segments):
+                    for a in self._receives(self.segments[i + 1][0]):
+                        early[a] = self._post_recv(a, st)
                 self._compute(action, st)
-            else:
-                batch.append(action)
-        self._communicate(batch, st)
         for work in st.sends:  # the late wait: by now every send has a receiver
             work.wait()
 
@@ -363,15 +373,20 @@ class Pipeline:
 
     # -- communication --------------------------------------------------------------------------------
 
-    def _communicate(self, batch: list[Action], st: _StepState) -> None:
-        """Post the batch's receives (grouped per peer), then its sends; wait for the receives only."""
+    def _receives(self, batch: list[Action]) -> list[Action]:
+        """The batch's receives grouped per peer (a stable sort: each link keeps its order)."""
+        return sorted((a for a in batch if a.kind.startswith("RECV")), key=lambda a: theory.message_peer(a, self.p))
+
+    def _communicate(self, batch: list[Action], st: _StepState, early: dict[Action, comm.Work]) -> None:
+        """Post the batch's receives (grouped per peer; those posted ``early`` already are not posted again),
+        then its sends; wait for the receives only."""
         if not batch:
             return
         peer = lambda a: theory.message_peer(a, self.p)  # noqa: E731
-        recvs = sorted((a for a in batch if a.kind.startswith("RECV")), key=peer)  # stable: keeps link order
+        recvs = self._receives(batch)
         sends = sorted((a for a in batch if a.kind.startswith("SEND")), key=peer)
         with trace.span(" ".join(map(_message_name, recvs + sends)), "comm"):
-            works = [self._post_recv(a, st) for a in recvs]
+            works = [early.pop(a) if a in early else self._post_recv(a, st) for a in recvs]
             st.sends += [comm.isend(st.outbox.pop(a), self._global(peer(a)), self.group, tag=_tag(a))
                          for a in sends]
             for work in works:
@@ -475,6 +490,27 @@ def clip_grad_norm_(pipe: Pipeline, max_norm: float, weights: dict[str, float] |
         shares["lm_head.weight"] = 0.0  # the first stage's wte.weight holds the same gradient
     named = [(n, p.grad) for n, p in stages.named_parameters() if p.grad is not None]
     return clip_by_shares_(named, shares, (*other_groups, pipe.group), max_norm, pipe.device)
+
+
+def _check_custom_plan(plan: theory.Plan, p: int, microbatches: int, virtual_stages: int) -> None:
+    if len(plan) != p or virtual_stages != 1 or theory.num_stages(plan) != p:
+        raise ValueError(f"a hand-written plan runs one stage per rank: got {len(plan)} action lists and "
+                         f"{theory.num_stages(plan)} stages for {p} pp ranks (virtual_stages={virtual_stages})")
+    theory.check_plan(plan, microbatches)
+    theory.simulate(plan)
+
+
+def _segments(steps: list[Action]) -> list[tuple[list[Action], Action | None]]:
+    """``steps`` cut into (messages before a compute action, that action); the last has no action."""
+    out: list[tuple[list[Action], Action | None]] = []
+    batch: list[Action] = []
+    for a in steps:
+        if a.is_compute:
+            out.append((batch, a))
+            batch = []
+        else:
+            batch.append(a)
+    return [*out, (batch, None)]
 
 
 def _reap(sends: list[comm.Work]) -> list[comm.Work]:
