@@ -1,17 +1,18 @@
 """Lab 03: write the heart of bucketed DDP, and a checker that says what went wrong.
 
 The learner subclasses ``BucketedDDPScaffold`` (buckets, flat buffers and hooks are given) and writes three
-methods:
+methods, each with a contract (Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3):
 
-* ``broadcast_parameters()``: make every rank start from rank 0's parameters and buffers;
-* ``_on_grad_ready(param)``: called by autograd once ``param.grad`` is final; copy it into its bucket slot,
-  count the bucket down, and start the bucket's async all-reduce when its last gradient has arrived
-  (Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3);
-* ``finish_gradient_synchronization()``: wait on every handle, average, copy the results into ``.grad``
-  and reset the countdown for the next backward.
+* ``broadcast_parameters()``: afterwards every rank holds rank 0's parameters and buffers;
+* ``_on_grad_ready(param)``: called by autograd once ``param.grad`` is final; by the end of backward every
+  bucket's all-reduce has been started, asynchronously, exactly once, and only once all of its gradients
+  are in its buffer, so communication overlaps the rest of backward;
+* ``finish_gradient_synchronization()``: afterwards nothing is in flight, every ``.grad`` equals the
+  single-process gradient on the global batch, and the wrapper is ready for the next backward.
 
 ``check(cls)`` trains a ToyMLP for a few steps on 2 real ranks that start from *different* weights and
-compares every step's gradients, bucket by bucket, with single-process training on the global batch.
+compares every step's gradients, bucket by bucket, with single-process training on the global batch. A
+failure is a ``LabCheckFailed`` naming the likely mistake; ``hint(1)``, ``hint(2)``, ``hint(3)`` say more.
 """
 
 from __future__ import annotations
@@ -30,6 +31,43 @@ GLOBAL_BATCH = 8
 BUCKET_MB = 0.004  # ~4 KiB: splits the ToyMLP into several buckets
 LR = 0.05
 _TOL = {"rtol": 1e-4, "atol": 1e-6}  # plain SGD, a few fp32 steps: only summation order differs
+MORE = " (more help: hint(1), hint(2), hint(3))"
+
+HINTS = {
+    1: "Ask when a bucket is ready to travel: autograd calls _on_grad_ready once per parameter, in roughly "
+       "reverse layer order, and a bucket may only be all-reduced once every one of its gradients has arrived. "
+       "The scaffold already keeps a per-bucket count of what is still to come. Communication should start "
+       "inside backward (asynchronously, so it overlaps the layers still computing) and must be finished before "
+       "the optimizer reads .grad. Rank 0's weights, buffers included, are the truth at the start.",
+    2: "broadcast_parameters: one comm.broadcast per parameter AND per buffer, from rank 0 (src takes a global "
+       "rank: comm.global_rank(self.group, 0)). _on_grad_ready: put param.grad into its place in the bucket "
+       "(self.slot(param)) before anything else, then count its bucket down in self.pending; when the count "
+       "reaches zero, start that bucket's all-reduce with async_op=True and keep the handle in self.handles. "
+       "finish_gradient_synchronization: wait on every handle; an all-reduce sums, and one process on the "
+       "global batch would see the mean; write each bucket's result back into its parameters' .grad; then "
+       "refill the countdown for the next backward (self.reset_pending()).",
+    3: "broadcast_parameters:\n"
+       "    for t in [*self.module.parameters(), *self.module.buffers()]:\n"
+       "        comm.broadcast(t.detach(), src=comm.global_rank(self.group, 0), group=self.group)\n"
+       "_on_grad_ready(param):\n"
+       "    i = self.bucket_of(param); self.slot(param).copy_(param.grad); self.pending[i] -= 1\n"
+       "    if self.pending[i] == 0:\n"
+       "        self.handles.append(comm.all_reduce(self.bucket_buffers[i], group=self.group, async_op=True))\n"
+       "finish_gradient_synchronization:\n"
+       "    for h in self.handles: h.wait()\n"
+       "    for bucket, buf in zip(self.buckets, self.bucket_buffers):\n"
+       "        buf.div_(self.world_size)\n"
+       "        for p in bucket: p.grad.copy_(self.slot(p))\n"
+       "    self.reset_pending()",
+}
+
+
+def hint(level: int = 1) -> str:
+    """Print (and return) hint ``level``: 1 the idea, 2 what each method does, 3 nearly the code."""
+    if level not in HINTS:
+        raise ValueError(f"hint level {level!r}: choose 1, 2 or 3 (each says more than the one before)")
+    print(f"hint {level}/{len(HINTS)}:\n{HINTS[level]}")
+    return HINTS[level]
 
 
 class BucketedDDPScaffold(nn.Module):
@@ -83,11 +121,12 @@ class BucketedDDPScaffold(nn.Module):
         raise NotImplementedError("copy rank 0's parameters and buffers to every rank with comm.broadcast")
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        raise NotImplementedError("copy param.grad into its slot; when its bucket is complete, start the "
-                                  "bucket's all-reduce with async_op=True")
+        raise NotImplementedError("once all of a bucket's gradients are in its buffer, start its all-reduce "
+                                  "(async_op=True), exactly once per backward")
 
     def finish_gradient_synchronization(self) -> None:
-        raise NotImplementedError("wait on every handle, average, copy into .grad, reset_pending()")
+        raise NotImplementedError("when this returns, every .grad is the global-batch gradient, nothing is in "
+                                  "flight, and the next backward can start")
 
 
 def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
@@ -277,10 +316,17 @@ def _check_grads(step: int, rank: int, got: dict, ref: dict, buckets: list[list[
 
 def check(cls: type, world_size: int = WORLD_SIZE, timeout: float = 30.0) -> None:
     """Run ``cls`` (a BucketedDDPScaffold subclass) on real ranks; raise LabCheckFailed with a hint if wrong."""
-    from workbench.launch import RankError, launch
-
     if world_size != WORLD_SIZE:
         raise ValueError(f"this checker runs on {WORLD_SIZE} ranks, got world_size={world_size}")
+    try:
+        _check(cls, world_size, timeout)
+    except LabCheckFailed as error:
+        raise LabCheckFailed(f"{error}{MORE}") from None
+
+
+def _check(cls: type, world_size: int, timeout: float) -> None:
+    from workbench.launch import RankError, launch
+
     if not (isinstance(cls, type) and issubclass(cls, BucketedDDPScaffold)):
         raise LabCheckFailed(f"check expects your class (a subclass of BucketedDDPScaffold), got {cls!r}")
     try:
@@ -308,3 +354,6 @@ def _explain_rank_error(err: Exception) -> str:
         return ("a collective waited forever: every rank must launch every bucket's all-reduce, the same number "
                 "of times and in the same order (and broadcast every tensor from the same src).")
     return f"your code raised on a rank: {text.splitlines()[0]}"
+
+
+__all__ = ["BucketedDDPScaffold", "HINTS", "check", "hint"]

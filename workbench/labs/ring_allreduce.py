@@ -3,7 +3,8 @@
 ``check(fn)`` runs ``fn(tensor, group)`` on 2 and then 3 real ranks with sizes the world size does not
 divide, compares every rank's tensor with the true sum, and reads the communication trace to make sure
 the answer used only point-to-point messages and sent what a ring sends: 2(N-1)/N of the tensor per rank
-(Patarasuk & Yuan 2009). A wrong answer raises ``LabCheckFailed`` whose message names the likely mistake.
+(Patarasuk & Yuan 2009). A wrong answer raises ``LabCheckFailed`` whose message names the likely mistake;
+``hint(1)``, ``hint(2)``, ``hint(3)`` say more, tier by tier (the lab's stub states only the contract).
 """
 
 from __future__ import annotations
@@ -18,6 +19,40 @@ from workbench.labs import LabCheckFailed
 #: (world size, tensor sizes): uneven on purpose, so chunk bookkeeping matters.
 CASES = ((2, (11, 1001)), (3, (10, 1000)))
 POINT_TO_POINT = ("send", "recv")
+MORE = " (more help: hint(1), hint(2), hint(3))"
+
+HINTS = {
+    1: "Read the byte budget as a design: 2(N-1)/N x S is 2(N-1) messages of S/N bytes, so cut the tensor into N "
+       "chunks and send one chunk per step. Think in two phases of N-1 steps each. First make the sum of every "
+       "chunk complete on exactly one rank: a chunk that travels once around the ring, each rank adding its own "
+       "values as it passes, has picked up everyone's contribution after N-1 hops. Then pass the finished "
+       "chunks around the ring so every rank ends with all of them.",
+    2: "Phase 1 (reduce-scatter), N-1 steps: every rank sends one chunk to its right neighbour and receives one "
+       "from its left neighbour into a scratch buffer (torch.empty_like), then ADDS it into its own copy of that "
+       "chunk. Stagger the chunks by rank so that no two ranks send the same chunk in a step, and send next the "
+       "chunk you have just added into: that is how a partial sum keeps moving. Phase 2 (all-gather), N-1 steps: "
+       "the same movement, but what arrives is already complete, so receive it straight into place, no add. "
+       "tensor.view(-1).tensor_split(N) gives N views into tensor (sizes differ by at most one element), so "
+       "writing into a chunk writes into tensor. Post comm.isend and comm.irecv before waiting on either: if "
+       "every rank blocks in send first, nobody is receiving.",
+    3: "chunks = tensor.view(-1).tensor_split(N); right/left = comm.global_rank(group, (r +/- 1) % N)\n"
+       "reduce-scatter, for s in range(N - 1):\n"
+       "    buf = torch.empty_like(chunks[(r - s - 1) % N])\n"
+       "    h = comm.isend(chunks[(r - s) % N], right, group); comm.irecv(buf, left, group).wait(); h.wait()\n"
+       "    chunks[(r - s - 1) % N].add_(buf)\n"
+       "now rank r holds the finished sum of chunk (r + 1) % N. all-gather, for s in range(N - 1):\n"
+       "    h = comm.isend(chunks[(r + 1 - s) % N], right, group)\n"
+       "    comm.irecv(chunks[(r - s) % N], left, group).wait(); h.wait()   # received in place: a copy, no add\n"
+       "return tensor",
+}
+
+
+def hint(level: int = 1) -> str:
+    """Print (and return) hint ``level``: 1 the idea, 2 the two phases and their pitfalls, 3 nearly the code."""
+    if level not in HINTS:
+        raise ValueError(f"hint level {level!r}: choose 1, 2 or 3 (each says more than the one before)")
+    print(f"hint {level}/{len(HINTS)}:\n{HINTS[level]}")
+    return HINTS[level]
 
 
 def case_input(rank: int, numel: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -45,7 +80,15 @@ def _on_rank(fn: Callable[..., Any], sizes: tuple[int, ...]) -> list[dict[str, A
 
 
 def check(fn: Callable[..., Any], timeout: float = 20.0) -> None:
-    """Check ``fn(tensor, group)``, an in-place SUM ring all-reduce; print a success message or raise."""
+    """Check ``fn(tensor, group)``, an in-place SUM ring all-reduce; print a success message or raise
+    ``LabCheckFailed`` naming the mistake (and pointing at the hints)."""
+    try:
+        _check(fn, timeout)
+    except LabCheckFailed as error:
+        raise LabCheckFailed(f"{error}{MORE}") from None
+
+
+def _check(fn: Callable[..., Any], timeout: float) -> None:
     if not callable(fn):
         raise LabCheckFailed(f"pass your function itself, e.g. check(ring_all_reduce), not {type(fn).__name__}")
     for world, sizes in CASES:
@@ -71,8 +114,8 @@ def _launch(fn: Callable[..., Any], world: int, sizes: tuple[int, ...], timeout:
 def _explain_rank_error(error: Exception, world: int, timeout: float) -> str:
     text = str(error)
     if "NotImplementedError" in text:
-        hint = text.split("NotImplementedError:", 1)[1].splitlines()[0].strip()
-        return f"your function is still the stub (NotImplementedError: {hint}). Replace its body with your ring."
+        detail = text.split("NotImplementedError:", 1)[1].splitlines()[0].strip()
+        return f"your function is still the stub (NotImplementedError: {detail}). Replace its body with your ring."
     # launch names a timed-out rank as the root cause ahead of its peers' "connection closed" echoes.
     if "timed out" in text.lower() or "timeout" in text.lower():
         return (f"on {world} ranks your function did not finish within {timeout:g} s: a deadlock. Most likely "
@@ -122,8 +165,8 @@ def _diagnose(got: torch.Tensor, want: torch.Tensor, inputs: list[torch.Tensor],
     n_times_one = torch.stack([torch.isclose(got, world * x) for x in inputs]).any(0) & wrong
     if n_times_one.any():
         return (f"{detail}; some positions hold {world} x one rank's value, i.e. a chunk was added to itself. "
-                "Chunk indices are off: at reduce-scatter step s send chunk (rank - s) % N and add the received "
-                "one into chunk (rank - s - 1) % N, the chunk you will send at the next step.")
+                "Chunk indices are off: add each received buffer into the chunk with the SAME index as the one "
+                "your left neighbour sent at that step (not into the chunk you sent), and send that chunk next.")
     if (got.numel() > 1 and wrong.all() and torch.isclose(got, want * (got[0] / want[0])).all()
             and want[0] != 0):
         return f"the values are the true sum scaled by {(got[0] / want[0]).item():g}; do not rescale."
@@ -167,4 +210,4 @@ def _check_bytes(runs: list[dict], world: int, numel: int) -> None:
                                  f"{ring:.0f} bytes (2(N-1)/N x S) in all: some step sends more than one chunk.")
 
 
-__all__ = ["CASES", "case_input", "check"]
+__all__ = ["CASES", "HINTS", "case_input", "check", "hint"]

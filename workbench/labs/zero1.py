@@ -16,7 +16,8 @@ The learner subclasses ``ShardedOptimizerScaffold`` (parameter list, inner optim
 
 ``check(cls)`` trains a ToyMLP (frozen and tied weights included) with AdamW for a few steps on 2 real
 ranks, averaging gradients itself before each ``step()`` (ZeRO-1 expects averaged gradients, as from DDP),
-and compares with single-process AdamW on the global batch and the optimizer state each rank holds.
+and compares with single-process AdamW on the global batch and the optimizer state each rank holds. A failure
+is a ``LabCheckFailed`` naming the likely mistake; ``hint(1)``, ``hint(2)``, ``hint(3)`` say more, tier by tier.
 """
 
 from __future__ import annotations
@@ -34,6 +35,39 @@ GLOBAL_BATCH = 8
 LR = 1e-2
 _TOL = {"rtol": 1e-4, "atol": 1e-5}  # fp32 AdamW, a few steps: only summation order differs
 _MAX_SHARE = 0.65  # with 2 ranks a greedy partition of the ToyMLP gives each rank ~50 % of the elements
+MORE = " (more help: hint(1), hint(2), hint(3))"
+
+HINTS = {
+    1: "Two separate questions. partition() is load balancing under a constraint: every rank runs it on its own, "
+       "with no communication, so it may depend only on what all ranks share (the parameters' sizes and order), "
+       "and the load to balance is elements, not parameter counts. step(): the inner optimizer knows only this "
+       "rank's parameters, so after it runs every other parameter on this rank is stale; its owner has the new "
+       "value, and collectives need every rank to take part, in the same order.",
+    2: "partition: a greedy rule balances well. Visit the parameters from the largest numel to the smallest and "
+       "give each to the rank that owns the fewest elements so far (break ties the same way everywhere, e.g. "
+       "the lower rank; Python's sorted is stable, so equal sizes keep model order). step: call "
+       "self.optimizer.step() once, then, on EVERY rank and for EVERY parameter in self.params order, one "
+       "comm.broadcast of the parameter's data whose source is that parameter's owner; broadcast's src is a "
+       "global rank, so translate with comm.global_rank(self.group, owner).",
+    3: "partition:\n"
+       "    load, owners = [0] * self.world_size, [0] * len(self.params)\n"
+       "    for i in sorted(range(len(self.params)), key=lambda i: -self.params[i].numel()):\n"
+       "        owner = min(range(self.world_size), key=lambda r: (load[r], r))\n"
+       "        owners[i] = owner; load[owner] += self.params[i].numel()\n"
+       "    return owners\n"
+       "step:\n"
+       "    self.optimizer.step()\n"
+       "    for p, owner in zip(self.params, self.owners):\n"
+       "        comm.broadcast(p.data, src=comm.global_rank(self.group, owner), group=self.group)",
+}
+
+
+def hint(level: int = 1) -> str:
+    """Print (and return) hint ``level``: 1 the idea, 2 the rule and the collective, 3 nearly the code."""
+    if level not in HINTS:
+        raise ValueError(f"hint level {level!r}: choose 1, 2 or 3 (each says more than the one before)")
+    print(f"hint {level}/{len(HINTS)}:\n{HINTS[level]}")
+    return HINTS[level]
 
 
 class ShardedOptimizerScaffold:
@@ -72,12 +106,12 @@ class ShardedOptimizerScaffold:
 
     # The two methods the learner writes.
     def partition(self) -> list[int]:
-        raise NotImplementedError("return the owner rank of each parameter in self.params: biggest first, "
-                                  "each to the rank that owns the fewest elements so far")
+        raise NotImplementedError("return one owner rank per entry of self.params: the same list on every rank, "
+                                  "balanced by elements")
 
     def step(self) -> None:
-        raise NotImplementedError("self.optimizer.step(), then comm.broadcast each parameter from its owner "
-                                  "(src=comm.global_rank(self.group, owner))")
+        raise NotImplementedError("update the parameters this rank owns, then make every rank hold every updated "
+                                  "parameter")
 
 
 def _validate_owners(owners: list[Any], n_params: int, world: int) -> None:
@@ -136,6 +170,13 @@ def _reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict
 
 def check(cls: type) -> None:
     """Run ``cls`` on 2 ranks; raise ``LabCheckFailed`` with a pointed hint, or print what works."""
+    try:
+        _check(cls)
+    except LabCheckFailed as error:
+        raise LabCheckFailed(f"{error}{MORE}") from None
+
+
+def _check(cls: type) -> None:
     from workbench import launch
     from workbench.launch import RankError
 
@@ -157,8 +198,8 @@ def check(cls: type) -> None:
 def _explain_rank_error(e: Exception) -> LabCheckFailed:
     text = str(e)
     if "NotImplementedError" in text:
-        hint = text.split("NotImplementedError:", 1)[1].splitlines()[0].strip()
-        return LabCheckFailed(f"a method is still the stub: {hint}")
+        detail = text.split("NotImplementedError:", 1)[1].splitlines()[0].strip()
+        return LabCheckFailed(f"a method is still the stub: {detail}")
     if "LabCheckFailed" in text:
         return LabCheckFailed(text.split("LabCheckFailed:", 1)[1].splitlines()[0].strip())
     if "timed out" in text.lower() or "timeout" in text.lower():
@@ -201,8 +242,8 @@ def _check_state(results: list[dict], sizes: dict[str, int]) -> None:
     shares = [sum(sizes[n] for n in r["state"]) / total for r in results]
     if max(shares) > _MAX_SHARE:
         raise LabCheckFailed(f"shards are unbalanced: ranks own {[f'{s:.0%}' for s in shares]} of the elements. "
-                             "Balance by numel, not by count: biggest parameter first, each to the least-loaded "
-                             "rank (ZeRO's point is 1/N of the state per rank)")
+                             "Balance by numel, not by count: ZeRO's point is 1/N of the state per rank, and one "
+                             "big weight outweighs many small ones (hint(2) names a simple rule that balances)")
 
 
 def _check_params(results: list[dict], want: dict, init: dict) -> None:
@@ -225,4 +266,4 @@ def _check_params(results: list[dict], want: dict, init: dict) -> None:
                                  "parameters only after the step")
 
 
-__all__ = ["ShardedOptimizerScaffold", "check"]
+__all__ = ["HINTS", "ShardedOptimizerScaffold", "check", "hint"]

@@ -1,4 +1,5 @@
-"""Lab 02 solution: ring all-reduce from isend/irecv (Patarasuk & Yuan 2009), the plain textbook version.
+"""Reference solution of lab 02 (``labs/02_ring_allreduce.ipynb``): ring all-reduce from isend/irecv
+(Patarasuk & Yuan 2009), the plain textbook version. Kept beside the labs, outside the ``workbench`` package.
 
 Kept simple on purpose: whole chunks, one message per step, wait then add. The package version
 (``workbench.parallel.collectives.ring_all_reduce``) pipelines segments so the link never idles during

@@ -1,4 +1,5 @@
-"""Solution of lab 03 (bucketed DDP): the three methods of ``BucketedDDPScaffold`` the learner writes."""
+"""Reference solution of lab 03 (``labs/03_bucketed_ddp.ipynb``): the three methods of ``BucketedDDPScaffold``
+the learner writes (Li et al. 2020, "PyTorch Distributed", §3.2.3). Kept beside the labs, outside the package."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Solution of lab 04: a ZeRO-1 sharded optimizer (parameter-wise partition, one broadcast per parameter).
+"""Reference solution of lab 04 (``labs/04_zero1_sharded_optimizer.ipynb``): a ZeRO-1 sharded optimizer
+(parameter-wise partition, one broadcast per parameter). Kept beside the labs, outside the package.
 
 The partition is torch ``ZeroRedundancyOptimizer``'s: parameters sorted by size, biggest first, each given
 to the rank that owns the fewest elements so far (greedy "longest processing time" balancing). It depends
