@@ -248,7 +248,8 @@ def test_each_quiz_is_hidden_numeric_and_scored(path: Path):
 @pytest.mark.parametrize("path", NOTEBOOKS + LABS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_no_answer_key_in_the_notebook_json(path: Path):
     text = path.read_text()
-    assert not re.search(r"answers_text|\"answer\"\s*:|answer\s*=\s*\d|\\u2605|\*\s*\d+\.", text)
+    # A starred option ("* 2. text", the old printed key), not a bold number ("**5.3 s**").
+    assert not re.search(r"answers_text|\"answer\"\s*:|answer\s*=\s*\d|\\u2605|(?<!\*)\*[ \t]*\d+\.\s", text)
     book = _book(path)
     [cell] = _quiz_cells(path)
     source = re.sub(r'key="[^"]*"', "", cell.source)
