@@ -362,7 +362,40 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="run benchmarks/run.py (ours beside PyTorch's built-ins); flags pass through")
     env = sub.add_parser("env", help="what this machine offers a run: torch, backends, GPUs, cores, sensible --nproc")
     env.add_argument("--json", action="store_true", help="print the facts as JSON")
+    _labs_parser(sub)
     return parser
+
+
+def _labs_parser(sub: Any) -> None:
+    labs = sub.add_parser("labs", help="list the labs, copy one to work in, grade a notebook headless")
+    verbs = labs.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("list", help="the labs and what each asks you to write")
+    start = verbs.add_parser("start", help="copy a lab into a folder of yours (the original stays untouched)")
+    start.add_argument("name", help="lab number or name, e.g. 02 or ring_allreduce")
+    start.add_argument("folder", help="where to put your copy")
+    check = verbs.add_parser("check", help="run your lab notebook headless and grade each exercise (exit 0: all pass)")
+    check.add_argument("notebook", help="path of your lab notebook (.ipynb)")
+    check.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
+
+
+def _labs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from workbench.labs import grading
+
+    try:
+        if args.verb == "list":
+            for stem, path in grading.available().items():
+                print(f"{stem[:2]}  {stem:<32} {grading.title(path)}")
+        elif args.verb == "start":
+            copy = grading.start(args.name, args.folder)
+            print(f"copied to {copy}\nopen it:   jupyter lab {copy}\ngrade it:  workbench labs check {copy}")
+        else:
+            verdicts = grading.grade(args.notebook, timeout=args.timeout)
+            print(grading.report(verdicts))
+            exercises = [v for v in verdicts if v.exercise]
+            return 0 if exercises and all(v.passed for v in verdicts) else 1
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        parser.error(str(exc))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run(parser, args)
+    if args.command == "labs":
+        return _labs(parser, args)
     elif args.command == "env":
         from workbench.environment import describe_environment, format_environment
 
