@@ -13,9 +13,10 @@ Ring all-reduce (Patarasuk & Yuan 2009) over N ranks, tensor of S bytes cut into
 Each rank sends 2(N-1)/N * S bytes whatever N is: the bandwidth-optimal volume.
 
 Why it is fast here: a naive ring waits for a whole chunk, then adds it, so the link idles during every
-add (BENCHMARKS.md: 0.59x gloo at 2 ranks). We cut each chunk into segments of ``segment_bytes`` and keep
-messages in flight: while segment k is being added, segment k+1 is still arriving, and segment k of the
-next step is sent the moment it is ready (the step s+1 chunk *is* the chunk just received at step s).
+add (README.md, section "Benchmarks", compares ours with gloo's). We cut each chunk into segments of
+``segment_bytes`` and keep messages in flight: while segment k is being added, segment k+1 is still
+arriving, and segment k of the next step is sent the moment it is ready (the step s+1 chunk *is* the
+chunk just received at step s).
 The two phases run as one pipeline of 2(N-1) steps.
 
 Tags: every message carries ``tag="<phase>:<step>:<chunk>"`` (e.g. ``"ring-rs:0:3"``), so a figure can
