@@ -212,9 +212,9 @@ def test_wrong_kinds_of_argument_are_named():
 def test_hints_are_tiered_and_bad_levels_raise(capsys):
     for level in (1, 2, 3):
         hint(level)
-        assert capsys.readouterr().out.startswith(f"Hint {level}/3: ")
+        assert capsys.readouterr().out.startswith(f"hint {level}/3:\n")
     assert len(HINTS[1]) < len(HINTS[2]) and "F.linear" in HINTS[3] and "F.linear" not in HINTS[1]
-    with pytest.raises(ValueError, match="hint level 4: choose 1, 2 or 3"):
+    with pytest.raises(ValueError, match="hint level 4: choose one of \\[1, 2, 3\\]"):
         hint(4)
 
 

@@ -14,3 +14,12 @@ class LabCheckFailed(AssertionError):
         # IPython shows this instead of a traceback: the learner sees the pointed message, not the
         # checker's internals (the raise happens deep inside it, often in a rank's result).
         return [f"\x1b[31mLabCheckFailed\x1b[0m: {self}"]
+
+
+def show_hint(hints: dict[int, str], level: int) -> str:
+    """Print (and return) tier ``level`` of a lab's ``hints`` (1 the idea ... 3 nearly the code): every
+    checker's ``hint(level)`` is this, with its own hints."""
+    if level not in hints:
+        raise ValueError(f"hint level {level!r}: choose one of {sorted(hints)} (each says more than the one before)")
+    print(f"hint {level}/{len(hints)}:\n{hints[level]}")
+    return hints[level]

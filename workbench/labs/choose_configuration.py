@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.labs import LabCheckFailed
+from workbench.labs import LabCheckFailed, show_hint
 from workbench.theory.comm import (
     reduce_scatter_time,
     ring_allreduce_time,
@@ -151,10 +151,7 @@ HINTS = {
 
 def hint(level: int = 1) -> str:
     """Print (and return) the hint of tier ``level``: 1 the idea, 2 the shape, 3 nearly the code."""
-    if level not in HINTS:
-        raise ValueError(f"hint level must be one of {sorted(HINTS)}, got {level!r}")
-    print(f"hint {level}/{len(HINTS)}:\n{HINTS[level]}")
-    return HINTS[level]
+    return show_hint(HINTS, level)
 
 
 # ---------------------------------------------------------------------------------------------------------

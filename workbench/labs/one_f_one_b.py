@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from workbench.labs import LabCheckFailed
+from workbench.labs import LabCheckFailed, show_hint
 from workbench.theory import pipeline as theory
 from workbench.theory.pipeline import Action
 
@@ -60,10 +60,7 @@ HINTS = {
 
 def hint(level: int = 1) -> str:
     """Print (and return) the hint of tier ``level``: 1 the idea, 2 the shape, 3 nearly the code."""
-    if level not in HINTS:
-        raise ValueError(f"hint level must be one of {sorted(HINTS)}, got {level!r}")
-    print(f"hint {level}/{len(HINTS)}:\n{HINTS[level]}")
-    return HINTS[level]
+    return show_hint(HINTS, level)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from workbench.labs import LabCheckFailed
+from workbench.labs import LabCheckFailed, show_hint
 
 #: (world size, tensor sizes): uneven on purpose, so chunk bookkeeping matters.
 CASES = ((2, (11, 1001)), (3, (10, 1000)))
@@ -49,10 +49,7 @@ HINTS = {
 
 def hint(level: int = 1) -> str:
     """Print (and return) hint ``level``: 1 the idea, 2 the two phases and their pitfalls, 3 nearly the code."""
-    if level not in HINTS:
-        raise ValueError(f"hint level {level!r}: choose 1, 2 or 3 (each says more than the one before)")
-    print(f"hint {level}/{len(HINTS)}:\n{HINTS[level]}")
-    return HINTS[level]
+    return show_hint(HINTS, level)
 
 
 def case_input(rank: int, numel: int, device: str | torch.device = "cpu") -> torch.Tensor:

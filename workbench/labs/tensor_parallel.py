@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from workbench import comm
-from workbench.labs import LabCheckFailed
+from workbench.labs import LabCheckFailed, show_hint
 
 WORLD_SIZE = 2
 BATCH, SEQ = 2, 8  # X is [BATCH, SEQ, d_model] on every rank
@@ -70,11 +70,9 @@ HINTS = {
 }
 
 
-def hint(level: int = 1) -> None:
-    """Print hint ``level`` (1: the idea, 2: which dims and which direction, 3: nearly the code)."""
-    if level not in HINTS:
-        raise ValueError(f"hint level {level!r}: choose 1, 2 or 3 (each says more than the one before)")
-    print(f"Hint {level}/3: {HINTS[level]}")
+def hint(level: int = 1) -> str:
+    """Print (and return) hint ``level`` (1: the idea, 2: which dims and which direction, 3: nearly the code)."""
+    return show_hint(HINTS, level)
 
 
 # ---------------------------------------------------------------------------------------------------------
