@@ -42,6 +42,8 @@ LOSS_RTOL = 2e-4
     (dict(nproc=2, pp=2, zero=2), "ZeRO-2/3 would communicate once per micro-batch"),
     (dict(nproc=2, pp=2, batch_size=6, microbatches=4), "batch_size=6 must divide into dp x microbatches"),
     (dict(nproc=1, microbatches=4), "pipeline settings: they need pp > 1"),
+    (dict(recompute="partial"), "unknown recompute mode 'partial'; valid modes: 'none', 'selective', 'full'"),
+    (dict(recompute=None), "unknown recompute mode None"),
 ])
 def test_bad_config_is_rejected_before_spawning(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -112,6 +114,9 @@ STRATEGIES = [
     dict(nproc=4, tp=2, pp=2, schedule="zb", microbatches=4),
     dict(nproc=4, tp=2, sp=True, pp=2, schedule="1f1b", microbatches=4),
     dict(nproc=8, dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4),  # the 3D command
+    dict(nproc=2, recompute="full"), dict(nproc=2, tp=2, recompute="selective"),
+    dict(nproc=2, tp=2, sp=True, recompute="full"), dict(nproc=2, zero=3, recompute="full"),
+    dict(nproc=2, pp=2, schedule="1f1b", microbatches=4, recompute="full"),
 ]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from workbench.launch import VALID_BACKENDS, VALID_DEVICES
 from workbench.parallel import DDP_KINDS, ZERO_STAGES
+from workbench.recompute import RECOMPUTE_MODES as RUN_RECOMPUTE_MODES
 from workbench.theory.pipeline import SCHEDULES
 
 PIPELINE_SCHEDULES = tuple(SCHEDULES)
@@ -56,6 +57,8 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="fixes model init and data order")
     p.add_argument("--ddp", choices=DDP_KINDS, default="bucketed", help="gradient synchronisation")
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--recompute", choices=RUN_RECOMPUTE_MODES, default="none",
+                   help="activation recomputation: selective (the attention core) or full (every block)")
     p.add_argument("--data", default=None, help="a text file to train on instead of the bundled corpus")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     p.add_argument("--device", choices=VALID_DEVICES, default=None,
@@ -83,7 +86,8 @@ def _config_from_args(args: argparse.Namespace) -> Any:
                      virtual_stages=args.virtual_stages, steps=args.steps,
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
-                     zero=args.zero, offload=args.offload, data=args.data, timeout=args.timeout,
+                     zero=args.zero, offload=args.offload, recompute=args.recompute, data=args.data,
+                     timeout=args.timeout,
                      device=args.device, backend=None if args.backend == "auto" else args.backend, port=args.port)
 
 

@@ -24,6 +24,7 @@ from workbench.launch import report
 from workbench.mesh import Mesh
 from workbench.models import PRESETS, GPTConfig, build_gpt
 from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig, parallelize
+from workbench.recompute import check_mode as check_recompute_mode
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RunConfig:
     microbatches: int | None = None  # the pipeline's micro-batches per step (default: 2 x pp)
     virtual_stages: int = 1  # stages per rank (interleaved)
     sp: bool = False  # sequence parallelism (needs tp > 1)
+    recompute: str = "none"  # activation recomputation: none, selective (attention core), full (every block)
     steps: int = 50
     batch_size: int = 16
     grad_accum: int = 1
@@ -91,6 +93,7 @@ class RunConfig:
 
             check_sequence_parallel_sizes(self.gpt_config(), self.tp)
         self._validate_pipeline()
+        check_recompute_mode(self.recompute)
         if self.tp > 1:
             from workbench.parallel import TP_ZERO_STAGES
             from workbench.parallel.tensor import check_tensor_parallel_sizes
@@ -209,7 +212,7 @@ class Trainer:
         self.strategy = parallelize(model, self.mesh, ParallelConfig(
             ddp=cfg.ddp, bucket_mb=cfg.bucket_mb, zero=cfg.zero, offload=cfg.offload, lr=cfg.lr,
             weight_decay=cfg.weight_decay, sp=cfg.sp, grad_accum=cfg.grad_accum, schedule=cfg.schedule,
-            microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages))
+            microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, recompute=cfg.recompute))
         self.step_index = 0
         self.tokens_per_step = cfg.batch_size * model_cfg.seq_len
 

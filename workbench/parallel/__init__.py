@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from workbench import trace
+from workbench.recompute import apply_recompute
+from workbench.recompute import check_mode as check_recompute_mode
 
 DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -35,6 +37,7 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pipeline schedule over the pp axis (workbench.theory.pipeline.SCHEDULES)
     microbatches: int = 4  # the pipeline's micro-batches per step
     virtual_stages: int = 1  # stages per rank (interleaved schedule)
+    recompute: str = "none"  # activation recomputation (workbench.recompute): none, selective, full
 
 
 @dataclass
@@ -86,7 +89,9 @@ TP_ZERO_STAGES = (0, 1, 2, 3)
 
 def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
     """Apply ``cfg`` over ``mesh``: tensor parallelism over the tp axis first (it changes the model's layers),
-    then the data-parallel strategy over the dp axis, and build the optimizer."""
+    then activation recomputation (its regions call the split layers), then the data-parallel strategy over
+    the dp axis (or the pipeline cut), and build the optimizer."""
+    check_recompute_mode(cfg.recompute)
     if cfg.zero not in ZERO_STAGES:
         raise ValueError(f"zero stage {cfg.zero!r}; valid: {ZERO_STAGES}")
     if cfg.sp and mesh.tp_size == 1:
@@ -97,7 +102,7 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     if mesh.tp_size > 1:
         strategy = _with_tensor_parallel(model, mesh, cfg)
     else:
-        strategy = _data_parallel(model, mesh, cfg)
+        strategy = _data_parallel(apply_recompute(model, cfg.recompute), mesh, cfg)
     return replace(strategy, forward_backward=_micro_batched(strategy, cfg.grad_accum))
 
 
@@ -152,6 +157,7 @@ def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallel
         raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH}; got zero={cfg.zero}, "
                          f"grad_accum={cfg.grad_accum}")
     tp = _tensor_parallel_for_pipeline(model, mesh, cfg.sp)
+    apply_recompute(model, cfg.recompute)  # on the whole model's blocks, before the cut into stages
     pipe = pipeline.Pipeline(model, mesh.pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages,
                              loss_fn=tp["loss_fn"], seq_shards=mesh.tp_size if cfg.sp else 1)
     dp = FlatDDP(pipe.module, group=mesh.dp_group) if mesh.dp_size > 1 else None
@@ -228,6 +234,7 @@ def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> P
         raise ValueError(f"ZeRO-{cfg.zero} with tensor parallelism (tp={mesh.tp_size}) is not composed yet; "
                          f"valid with tp > 1: zero in {TP_ZERO_STAGES}")
     (sequence.apply_sequence_parallel if cfg.sp else tensor.apply_tensor_parallel)(model, mesh)
+    apply_recompute(model, cfg.recompute)  # after the split (the regions call the split layers), before DP
     if cfg.zero == 3:
         return _zero3_tensor_parallel(model, mesh, cfg)
     if cfg.zero == 2:  # gradients live only as dp shards: the optimizer clips and sums SP's partials itself
