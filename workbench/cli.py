@@ -69,6 +69,13 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: the OS picks a free one)")
     p.add_argument("--out", default="runs/latest", help="directory for summary.json and report.html")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--ckpt-dir", default=None, help="save checkpoints here (one step-* folder per save, a shard per "
+                   "rank and a manifest with checksums)")
+    p.add_argument("--ckpt-every", type=int, default=None,
+                   help="save after every K-th step (and after the last); default: after the last only")
+    p.add_argument("--keep", type=int, default=None, help="keep the newest K checkpoints (default: all)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in --ckpt-dir (same layout and data flags)")
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
@@ -88,7 +95,8 @@ def _config_from_args(args: argparse.Namespace) -> Any:
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
                      zero=args.zero, offload=args.offload, recompute=args.recompute, data=args.data,
                      timeout=args.timeout,
-                     device=args.device, backend=None if args.backend == "auto" else args.backend, port=args.port)
+                     device=args.device, backend=None if args.backend == "auto" else args.backend, port=args.port,
+                     ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume)
 
 
 def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
@@ -128,6 +136,7 @@ def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, A
         "step_time_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
         "final_params_sha256": rank0["final_params_sha256"], "history": history,
         "placement": rank0.get("placement"),
+        "checkpoint": rank0.get("checkpoint"),
         "memory_peak_bytes": [t.memory.peak for t in traces],
         "device_memory": [asdict(t.device_memory) if t.device_memory is not None else None for t in traces],
         "mesh": _mesh(cfg),

@@ -5,6 +5,12 @@ builds the mesh, the seeded model and the sharded data, lets ``parallelize`` app
 outside (the model knows nothing of parallelism), and steps. ``--batch-size`` is the *global* batch, split
 across data-parallel ranks and then into ``grad_accum`` micro-batches, so the loss of every step is the
 loss of the same global batch whatever the strategy, and ``nproc=1`` is the baseline for all of them.
+
+Checkpoints (``ckpt_dir``, ``ckpt_every``, ``keep``, ``resume``; the store is ``workbench.checkpoint``): each rank
+saves what its strategy holds (its model's and optimizer's state dicts, shards included), the step, its RNG
+states and the sampler's position; a resume reloads them on the *same* layout and continues at the next step.
+The data order needs nothing more: ``ShardedSampler.indices(step)`` is a pure function of (seed, step), and the
+LR is ``lr_at(step)``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +26,18 @@ from typing import Any
 import torch
 
 from workbench import comm, trace
+from workbench.checkpoint import (
+    CheckpointError,
+    discard_newer,
+    ensure_writable,
+    latest_good,
+    load,
+    read_manifest,
+    rng_state,
+    save,
+    set_rng_state,
+    step_dir,
+)
 from workbench.data import ShardedSampler, corpus_tokens, make_lm_data
 from workbench.launch import report
 from workbench.mesh import Mesh
@@ -61,6 +80,10 @@ class RunConfig:
     device: str | None = None  # auto / cpu / cuda (None: $WORKBENCH_DEVICE or auto); see launch.resolve_placement
     backend: str | None = None  # gloo / nccl (None: follows the device)
     port: int = 0  # rendezvous port on 127.0.0.1 (0: the OS picks)
+    ckpt_dir: str | None = None  # where checkpoints go (workbench.checkpoint); None: no checkpoints
+    ckpt_every: int | None = None  # save after every K-th step (and after the last); None: after the last only
+    keep: int | None = None  # keep the newest K checkpoints; None: keep them all
+    resume: bool = False  # continue from the newest good checkpoint in ckpt_dir (same layout only)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -127,6 +150,29 @@ class RunConfig:
         if self.seq_len is not None:
             _positive_int("seq_len", self.seq_len)
         self._validate_data()
+        self._validate_checkpointing()
+
+    def _validate_checkpointing(self) -> None:
+        """Checkpoint flags, the directory, and (``resume``) the checkpoint to resume from, before any rank starts."""
+        if self.ckpt_dir is None:
+            for name in ("ckpt_every", "keep"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs ckpt_dir (--ckpt-dir DIR): "
+                                     "the directory checkpoints are written to")
+            if self.resume:
+                raise ValueError("resume needs ckpt_dir (--ckpt-dir DIR): the directory to resume from")
+            return
+        if self.ckpt_every is not None:
+            _positive_int("ckpt_every", self.ckpt_every)
+        if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int)
+                                      or self.keep < 1):
+            raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {self.keep!r}")
+        if self.offload:  # the offloaded master copies are not in ZeroOptimizer.state_dict(): a reload would miss them
+            raise ValueError("checkpointing with offload is not supported yet: the offloaded master copy of the "
+                             "parameters is not part of the optimizer's state dict; drop --offload or --ckpt-dir")
+        if self.resume:
+            find_resume_point(self)
+        ensure_writable(self.ckpt_dir)
 
     def _validate_pipeline(self) -> None:
         """Schedule, micro-batches and stages checked here, before any rank starts."""
@@ -166,6 +212,54 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: RunConfig fields a resume must share with the checkpoint: they fix the tensors' shapes, which shard each rank
+#: holds (same-layout resume only) or the data order. Others (steps, lr, warmup, clip, timeout...) may change.
+RESUME_MUST_MATCH = ("model", "seq_len", "nproc", "dp", "tp", "pp", "sp", "zero", "offload", "schedule",
+                     "microbatches", "virtual_stages", "batch_size", "grad_accum", "seed", "data")
+
+
+def checkpoint_config(cfg: RunConfig) -> dict[str, Any]:
+    """The run config as it goes into a checkpoint's manifest (JSON: ``extra`` may hold anything, so it is left out)."""
+    return {k: v for k, v in cfg.to_dict().items() if k != "extra"}
+
+
+def find_resume_point(cfg: RunConfig) -> Path:
+    """The newest good checkpoint in ``cfg.ckpt_dir``, checked against ``cfg``; ``ValueError`` saying why not.
+
+    Newer checkpoints that fail verification are skipped with a warning (``checkpoint.latest_good``)."""
+    try:
+        path = latest_good(cfg.ckpt_dir)
+    except CheckpointError as e:
+        raise ValueError(f"cannot resume: {e}") from e
+    manifest = read_manifest(path)
+    check_resumable(cfg, manifest.get("meta", {}).get("run_config"), path)
+    step = manifest["step"]
+    if step + 1 >= cfg.steps:
+        raise ValueError(f"cannot resume from {path}: it holds the state after step {step} ({step + 1} steps done) "
+                         f"and steps={cfg.steps} leaves nothing to train; pass --steps > {step + 1}")
+    return path
+
+
+def check_resumable(cfg: RunConfig, saved: dict[str, Any] | None, path: str | Path) -> None:
+    """``ValueError`` naming every field of ``RESUME_MUST_MATCH`` in which the checkpoint's config differs."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"cannot resume from {path}: its manifest holds no run_config (not saved by the trainer)")
+    mine = checkpoint_config(cfg)
+    differ = [f"{k}={saved.get(k)!r} (this run: {mine[k]!r})" for k in RESUME_MUST_MATCH
+              if _effective(saved, k) != _effective(mine, k)]
+    if differ:
+        raise ValueError(f"cannot resume from {path}: it was saved with {', '.join(differ)}; a resume must keep the "
+                         f"layout and the data order (fields {', '.join(RESUME_MUST_MATCH)}); rerun with the saved "
+                         f"values or start a fresh --ckpt-dir")
+
+
+def _effective(config: dict[str, Any], key: str) -> Any:
+    """``seq_len=None`` means the preset's: compare what the model gets, not how it was spelt."""
+    if key == "seq_len" and config.get(key) is None and config.get("model") in PRESETS:
+        return GPTConfig.preset(config["model"]).seq_len
+    return config.get(key)
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -247,16 +341,76 @@ class Trainer:
         self.step_index += 1
         return metrics
 
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    def checkpoint_due(self) -> bool:
+        """After every ``ckpt_every``-th step and after the last (so a finished run can be extended)."""
+        cfg = self.cfg
+        every = cfg.ckpt_every or cfg.steps
+        return cfg.ckpt_dir is not None and (self.step_index % every == 0 or self.step_index == cfg.steps)
+
+    def save_checkpoint(self) -> int:
+        """Every rank saves the state its strategy holds after the step just taken; returns that step's index."""
+        s, step = self.strategy, self.step_index - 1
+        state = {"model": s.model.state_dict(), "optim": s.optimizer.state_dict(), "step": step,
+                 "rng": rng_state(), "sampler": {**self.sampler.state_dict(), "step": self.step_index}}
+        save(self.cfg.ckpt_dir, step, state, meta={"run_config": checkpoint_config(self.cfg), "strategy": s.describe},
+             keep=self.cfg.keep)
+        return step
+
+    def resume(self) -> tuple[int, list[str]]:
+        """Load the newest good checkpoint; the next ``step()`` is the one after it. Returns (its step, warnings).
+
+        Rank 0 alone picks the checkpoint and broadcasts its step: ``latest_good`` hashes every shard, and ranks
+        picking on their own could disagree (a file changing between their reads) and load different steps.
+        Rank 0 also removes newer, unusable checkpoints (``discard_newer``) before any rank saves again."""
+        cfg = self.cfg
+        step, problem, skipped = -1, "", []
+        if comm.group_rank() == 0:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    step = read_manifest(find_resume_point(cfg))["step"]
+                    discard_newer(cfg.ckpt_dir, step)
+                except ValueError as e:
+                    problem = str(e)
+            skipped = [str(w.message) for w in caught]
+        step = self._broadcast_step(step)
+        if step < 0:
+            raise ValueError(problem or "rank 0 found no checkpoint to resume from (its error says why)")
+        state = load(step_dir(cfg.ckpt_dir, step), map_location=self.device)
+        if state["step"] != step:
+            raise CheckpointError(f"{step_dir(cfg.ckpt_dir, step)} holds step {state['step']}, not {step}")
+        self.strategy.model.load_state_dict(state["model"])
+        self.strategy.optimizer.load_state_dict(state["optim"])
+        self.sampler.load_state_dict(state["sampler"])  # refuses another seed or global batch
+        set_rng_state(state["rng"])
+        self.step_index = step + 1
+        return step, skipped
+
+    def _broadcast_step(self, step: int) -> int:
+        if not comm.is_distributed():
+            return step
+        t = torch.tensor([step], dtype=torch.int64, device=self.device)
+        comm.broadcast(t, src=0, tag="checkpoint")
+        return int(t.item())
+
 
 def train_rank(cfg: RunConfig) -> dict[str, Any]:
     """Run ``cfg.steps`` steps on this rank; rank 0's result carries the full-parameter hash."""
     torch.manual_seed(cfg.seed)
     trainer = Trainer(cfg)
-    history = []
-    for _ in range(cfg.steps):
+    resumed, skipped = trainer.resume() if cfg.resume else (None, [])
+    history, written = [], []
+    for _ in range(trainer.step_index, cfg.steps):
         metrics = trainer.step()
         history.append(metrics)
         report(metrics)
+        if trainer.checkpoint_due():
+            written.append(trainer.save_checkpoint())
+    checkpoint = None if cfg.ckpt_dir is None else {
+        "dir": cfg.ckpt_dir, "every": cfg.ckpt_every, "keep": cfg.keep, "written_steps": written,
+        "resumed_from_step": resumed, "skipped_on_resume": skipped}
     full = trainer.strategy.full_parameters()
     backend = torch.distributed.get_backend() if comm.is_distributed() else "none"
     return {"history": history, "n_params": trainer.n_params, "strategy": trainer.strategy.describe,
@@ -264,7 +418,8 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
             "placement": {"backend": backend, "device": str(trainer.device),
                           "device_name": _device_name(trainer.device)},
             "final_params": {k: v.detach().cpu().clone() for k, v in full.items()} if cfg.extra.get("return_params")
-            else None}
+            else None,
+            "checkpoint": checkpoint}
 
 
 def _device_name(device: torch.device) -> str:
