@@ -56,8 +56,9 @@ def test_stop_at_4_then_resume_to_6_matches_an_unbroken_run(zero: int, ddp_full,
     assert list_steps(ckpt) == [1, 3, 5] and verify(step_dir(ckpt, 5)) == []
 
 
-@pytest.mark.parametrize("flags", [dict(zero=3), dict(pp=2)], ids=["zero3", "pp2"])
-def test_resume_after_a_crash_matches_for_zero3_and_pipeline(flags: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [dict(zero=3), dict(pp=2), dict(zero=1, offload=True)],
+                         ids=["zero3", "pp2", "zero1-offload"])
+def test_resume_after_a_crash_matches_for_zero3_pipeline_and_offload(flags: dict, tmp_path: Path) -> None:
     full = _full_run(tmp_path / "full", keep=2, **flags)
     assert list_steps(tmp_path / "full") == [3, 5]  # keep=2 pruned step 1 once step 5 verified
     crashed = tmp_path / "crashed"  # the same run, killed after step 4: step 5 was never saved
@@ -90,7 +91,6 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(ddp_full, tm
     (dict(resume=True), "resume needs ckpt_dir"),
     (dict(ckpt_dir="{tmp}/missing", resume=True), "cannot resume: no checkpoints in"),
     (dict(ckpt_dir="{tmp}/a-file/ckpt"), "is not writable"),
-    (dict(ckpt_dir="{tmp}", zero=1, offload=True), "offload is not supported yet"),
 ])
 def test_bad_checkpoint_config_is_rejected_before_spawning(kwargs: dict, message: str, tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a directory")

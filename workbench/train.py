@@ -167,9 +167,6 @@ class RunConfig:
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int)
                                       or self.keep < 1):
             raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {self.keep!r}")
-        if self.offload:  # the offloaded master copies are not in ZeroOptimizer.state_dict(): a reload would miss them
-            raise ValueError("checkpointing with offload is not supported yet: the offloaded master copy of the "
-                             "parameters is not part of the optimizer's state dict; drop --offload or --ckpt-dir")
         if self.resume:
             find_resume_point(self)
         ensure_writable(self.ckpt_dir)

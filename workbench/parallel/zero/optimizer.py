@@ -174,9 +174,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"inner={type(self.optimizer).__name__}, buckets={len(self.buckets)})")
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (shard-local: load it on the same rank of the same N)."""
+        """This rank's shard of the optimizer state (shard-local: load it on the same rank of the same N), and
+        with offload the master copies the inner optimizer steps (they, not the device shards, are the truth)."""
+        masters = [self._masters[id(t)] for t in self._sharded if id(t) in self._masters]
         return {"zero_stage": self.stage, "rank": self.rank, "world": self.world,
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(), "masters": masters}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         got = (state_dict.get("zero_stage"), state_dict.get("rank"), state_dict.get("world"))
@@ -185,6 +187,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"shard-local state dict of (stage, rank, world)={got} cannot be loaded into "
                              f"(stage, rank, world)={want}; save and load on the same layout")
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        masters = [self._masters[id(t)] for t in self._sharded if id(t) in self._masters]
+        saved = state_dict.get("masters", [])
+        if len(saved) != len(masters):
+            raise ValueError(f"the state dict holds {len(saved)} master copies, this optimizer has {len(masters)} "
+                             f"(offload={self.offload}); save and load with the same offload setting")
+        with torch.no_grad():
+            for mine, theirs in zip(masters, saved, strict=True):
+                mine.copy_(theirs)
         self._record_memory()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
