@@ -104,6 +104,21 @@ def test_async_ops_log_when_waited() -> None:
     assert len(results.traces[0].comms) == 1 and results.traces[0].comms[0].tag == "grad"
 
 
+def test_all_reduce_coalesced_is_one_logged_message_and_leaves_inputs_alone() -> None:
+    def fn() -> list:
+        rank = comm.group_rank()
+        a, b = torch.full((2, 3), rank + 1.0), torch.full((4,), 10.0 * (rank + 1))
+        summed = comm.all_reduce_coalesced([a, b], tag="sp_grads")
+        return [a.clone(), summed[0].clone(), summed[1].clone()]
+
+    results = launch(fn, 2)
+    a0, sa, sb = results[0]
+    assert torch.equal(a0, torch.ones(2, 3))  # the input is untouched
+    assert sa.shape == (2, 3) and torch.equal(sa, torch.full((2, 3), 3.0)) and torch.equal(sb, torch.full((4,), 30.0))
+    [event] = results.traces[0].comms
+    assert event.op == "all_reduce" and event.tag == "sp_grads" and event.nbytes == 10 * 4
+
+
 def test_tracer_spans_ledger_and_activations() -> None:
     with trace.tracing(rank=0, world_size=1) as tracer:
         tracer.step = 3

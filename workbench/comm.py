@@ -157,6 +157,15 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_o
                    lambda: _record("all_reduce", tensor, _nbytes(tensor), group, t0, async_op, tag), after)
 
 
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: str = "sum", group: Any = None,
+                         tag: str = "") -> list[torch.Tensor]:
+    """All-reduce several tensors as one flat message (one collective, one log entry) and return the results,
+    views of one new buffer shaped like the inputs; the inputs are left as they are (copy or rebind them)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, op=op, group=group, tag=tag)
+    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group: Any = None,
                    async_op: bool = False, tag: str = "") -> Work | None:
     """``output`` (shape input/N along dim 0) receives this rank's reduced chunk of ``input``."""

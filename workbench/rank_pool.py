@@ -4,7 +4,7 @@
 learner can poke at them interactively (``workbench.magics`` puts it behind ``%ranks`` / ``%%ranks``)::
 
     pool = RankPool(2, timeout=30)
-    pool.run("x = torch.tensor([rank + 1.0])")
+    pool.run("x = torch.tensor([rank + 1.0], device=device)")
     pool.run("comm.all_reduce(x); x")          # every rank's last expression: tensor([3.])
     pool.stop()
 

@@ -346,10 +346,8 @@ def all_reduce_sequence_parallel_grads(model: nn.Module, mesh_or_group: Any) -> 
     grads = [p.grad for _, p in sequence_parallel_parameters(model) if p.grad is not None]
     if not grads or tp.size == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=tp.group, tag=SP_GRAD_TAG)
-    for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        g.copy_(summed.view_as(g))
+    for g, summed in zip(grads, comm.all_reduce_coalesced(grads, group=tp.group, tag=SP_GRAD_TAG), strict=True):
+        g.copy_(summed)
 
 
 __all__ = [

@@ -383,10 +383,9 @@ class FullyShardedModel(nn.Module):
                     if u.shard.grad is not None]
         if not segments or comm.group_size(group) == 1:
             return
-        flat = torch.cat([u.shard.grad[lo:hi] for u, lo, hi in segments])
-        comm.all_reduce(flat, group=group, tag=tag)
-        for (u, lo, hi), summed in zip(segments, flat.split([hi - lo for _, lo, hi in segments]), strict=True):
-            u.shard.grad[lo:hi].copy_(summed)
+        pieces = [u.shard.grad[lo:hi] for u, lo, hi in segments]
+        for piece, summed in zip(pieces, comm.all_reduce_coalesced(pieces, group=group, tag=tag), strict=True):
+            piece.copy_(summed)
 
     @property
     def units(self) -> list[str]:

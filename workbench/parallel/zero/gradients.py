@@ -88,10 +88,9 @@ class _GradientReduction:
                 by_group.setdefault((id(b.partial_grads[0]), b.partial_grads[1]), []).append(b)
         for buckets in by_group.values():
             group, tag = buckets[0].partial_grads
-            flat = torch.cat([b.shard_grad.reshape(-1) for b in buckets])
-            comm.all_reduce(flat, group=group, tag=tag)
-            for b, summed in zip(buckets, flat.split([b.shard_grad.numel() for b in buckets]), strict=True):
-                b.shard_grad, b.shard_grad_is_view = summed, False  # a fresh tensor: .grad views stay untouched
+            summed = comm.all_reduce_coalesced([b.shard_grad for b in buckets], group=group, tag=tag)
+            for b, total in zip(buckets, summed, strict=True):
+                b.shard_grad, b.shard_grad_is_view = total, False  # a fresh tensor: .grad views stay untouched
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._no_sync:
