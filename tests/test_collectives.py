@@ -85,8 +85,8 @@ def _equivalence_on_ranks(segment_bytes: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_and_tree_equal_gloo_all_reduce(world: int) -> None:
-    # 1 KiB segments: the 1_000_003-element case runs through ~1000 pipelined messages per chunk.
-    results = launch(_equivalence_on_ranks, world, 1024, timeout=60)
+    # 4 KiB segments: the 1_000_003-element case runs through ~250 pipelined messages per chunk.
+    results = launch(_equivalence_on_ranks, world, 4096, timeout=60)
     errors = [e for r in results for e in r["errors"]]
     assert not errors, "\n".join(errors)
     # every chunk is finished once by its owner and copied, so all ranks hold bitwise the same result

@@ -177,9 +177,9 @@ def test_no_stored_outputs_and_no_absolute_paths(path: Path):
 
 @pytest.mark.parametrize(("text", "expect"), [
     ("see `BENCHMARKS.md` for numbers", "'BENCHMARKS.md'"),
-    ("as notebook 05 shows", "'notebook 05'"),
-    ("notebooks 04/06 measure it", "'notebooks 06'"),
-    ("open 06_activation_recomputation.ipynb", "'06_activation_recomputation.ipynb'"),
+    ("as notebook 99 shows", "'notebook 99'"),
+    ("notebooks 04/13 measure it", "'notebooks 13'"),
+    ("open 13_no_such_notebook.ipynb", "'13_no_such_notebook.ipynb'"),
     ("read ../shared/CURRICULUM.md", "learner's checkout does not have it"),
     ("read ../../outside.md", "outside the repo"),
     ("`workbench/parallel/nope.py` holds it", "'workbench/parallel/nope.py' does not exist"),

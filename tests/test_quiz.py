@@ -50,7 +50,7 @@ for _extra in sorted((ROOT / "tests" / "quiz_answers").glob("*.json")):
 # CURRICULUM.md's knowledge checks, and the question that asks each.
 CURRICULUM_CHECKS = {
     "why large models need several parallelism strategies": "nb04.several-strategies",
-    "why checkpoints are part of training quality": "nb04.checkpoint",
+    "why checkpoints are part of training quality": "nb10.training-quality",
     "DP vs TP": "nb03.dp-vs-tp",
     "the three ZeRO stages and their trade-offs": "nb04.stages-tradeoff",
     "why more GPUs is not always faster": "nb03.more-gpus",

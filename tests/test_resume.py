@@ -101,12 +101,12 @@ def test_bad_checkpoint_config_is_rejected_before_spawning(kwargs: dict, message
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(zero=1), r"saved with zero=0 \(this run: 1\)"),
+    (dict(seq_len=16), r"saved with seq_len=32 \(this run: 16\)"),
     (dict(seed=1, batch_size=4), r"batch_size=8 \(this run: 4\), seed=0 \(this run: 1\)"),
-    (dict(nproc=1), r"nproc=2 \(this run: 1\), dp=2 \(this run: 1\)"),
+    (dict(val_every=2), r"val_every=None \(this run: 2\).*the layout may change: nproc"),
     (dict(steps=6), r"steps=6 leaves nothing to train; pass --steps > 6"),
 ])
-def test_resume_refuses_another_layout_or_nothing_to_do(kwargs: dict, message: str, ddp_full) -> None:
+def test_resume_refuses_another_model_or_data_order_or_nothing_to_do(kwargs: dict, message: str, ddp_full) -> None:
     cfg = {**SMALL, "steps": 8, "ckpt_dir": str(ddp_full[1]), "resume": True, **kwargs}
     with pytest.raises(ValueError, match=message):
         RunConfig(**cfg)

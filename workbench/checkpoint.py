@@ -192,6 +192,13 @@ def _atomic_write(target: Path, write: Callable[[Any], None]) -> Path:
     return target
 
 
+def write_atomic(path: str | os.PathLike, state: Any) -> Path:
+    """``torch.save(state)`` to ``path`` atomically (temp file, fsync, rename, fsync the directory)."""
+    check_state(state)
+    target = Path(path)
+    return _atomic_write(target, lambda f: torch.save(state, f))
+
+
 def save_shard(directory: str | os.PathLike, step: int, rank: int, state: Mapping[str, Any]) -> Path:
     """Atomically write ``rank``'s shard of step ``step``; returns its path. No manifest: see ``save``."""
     check_state(state)
@@ -418,6 +425,40 @@ def load(path: str | os.PathLike, rank: int | None = None, *, map_location: str 
                               f"({str(e).splitlines()[0]})") from e
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"cannot load {file}: {e}") from e
+
+
+# -- a full state dict for a plain model -----------------------------------------------------------------------------
+
+def export_full_state_dict(model: torch.nn.Module, full_params: Mapping[str, torch.Tensor],
+                           path: str | os.PathLike) -> Path:
+    """Write ``model.state_dict()`` with its parameters replaced by ``full_params`` (gathered from any strategy's
+    shards, by the unwrapped model's names), atomically, as a file that ``torch.load(weights_only=True)`` reads and
+    a plain ``model.load_state_dict`` accepts: what leaves the training cluster for evaluation or serving.
+
+    ``model`` is an unwrapped instance of the trained architecture (its values are overwritten in a copy of its
+    state dict, never in place); a missing or misshapen parameter is a ``ValueError`` naming it."""
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    names = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(names) - set(full_params) - {n for n in names if _tied_to(names, n, full_params)})
+    if missing:
+        raise ValueError(f"full parameters lack {missing[:5]}{'...' if len(missing) > 5 else ''}; "
+                         f"expected the unwrapped model's names, e.g. {sorted(names)[:3]}")
+    for name, param in names.items():
+        source = full_params.get(name)
+        if source is None:
+            source = full_params[_tied_to(names, name, full_params)]
+        if tuple(source.shape) != tuple(param.shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(source.shape)}, the model expects "
+                             f"{tuple(param.shape)}")
+        state[name] = source.detach().to("cpu", dtype=param.dtype, copy=True)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return _atomic_write(target, lambda f: torch.save(state, f))
+
+
+def _tied_to(names: Mapping[str, torch.nn.Parameter], name: str, full: Mapping[str, Any]) -> str | None:
+    """The name under which ``full`` holds a parameter tied to ``name`` (the same tensor, e.g. the LM head)."""
+    return next((other for other, p in names.items() if p is names[name] and other in full), None)
 
 
 # -- async save ---------------------------------------------------------------------------------------------------

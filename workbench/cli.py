@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,10 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--recompute", choices=RUN_RECOMPUTE_MODES, default="none",
                    help="activation recomputation: selective (the attention core) or full (every block)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="compute dtype; fp32 master weights and optimizer state; fp16 adds a dynamic loss scaler")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="dtype gradients are reduced in: fp32 (default) or the compute dtype (needs --zero 3)")
     p.add_argument("--data", default=None, help="a text file to train on instead of the bundled corpus")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     p.add_argument("--device", choices=VALID_DEVICES, default=None,
@@ -76,6 +82,23 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--keep", type=int, default=None, help="keep the newest K checkpoints (default: all)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in --ckpt-dir (same layout and data flags)")
+    p.add_argument("--export", default=None, metavar="PATH",
+                   help="write the trained model's full state dict to PATH (torch.save; a plain model loads it)")
+    p.add_argument("--async-ckpt", action="store_true",
+                   help="snapshot each checkpoint to CPU and write it in a background thread while training goes on")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="after a rank fails, restart all ranks up to K times, resuming from the newest checkpoint")
+    p.add_argument("--inject-fault", default=None, metavar="KIND:rank=R:step=S",
+                   help="plant one failure in the first attempt: kill (SIGKILL), raise, hang (caught by --timeout), "
+                        "or nan (weights turn NaN: caught by --on-spike)")
+    p.add_argument("--val-every", type=int, default=None,
+                   help="validation loss every K steps on a held-out split the sampler never serves for training, "
+                        "with a check that data-parallel ranks drew disjoint windows")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="the corpus's last windows held out (default 0.1)")
+    p.add_argument("--on-spike", choices=("warn", "rollback", "stop"), default="warn",
+                   help="on a NaN/Inf or a loss spike: warn; rollback to the newest checkpoint and skip the batches "
+                        "since; or stop")
+    p.add_argument("--spike-factor", type=float, default=3.0, help="a loss above this x the recent median is a spike")
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
@@ -94,13 +117,28 @@ def _config_from_args(args: argparse.Namespace) -> Any:
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
                      zero=args.zero, offload=args.offload, recompute=args.recompute, data=args.data,
+                     precision=args.precision, reduce_dtype=args.reduce_dtype,
                      timeout=args.timeout,
                      device=args.device, backend=None if args.backend == "auto" else args.backend, port=args.port,
-                     ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume)
+                     ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume,
+                     async_ckpt=args.async_ckpt, export=args.export, max_restarts=args.max_restarts,
+                     inject_fault=args.inject_fault, val_every=args.val_every, val_fraction=args.val_fraction,
+                     on_spike=args.on_spike, spike_factor=args.spike_factor)
 
 
-def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Launch ``cfg.nproc`` ranks, train, and (with ``out``) write summary.json and report.html."""
+def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True, live: bool = False,
+                 on_metrics: Callable[[int, dict[str, Any]], None] | None = None) -> Any:
+    """Launch ``cfg.nproc`` ranks, train, and (with ``out``) write summary.json and report.html.
+
+    ``on_metrics(rank, metrics)`` is called in this process after every step of every rank (the step's metrics,
+    that rank's ledger peaks and the bytes each collective moved: ``train._streamed``). ``live=True`` shows a
+    dashboard that updates while the ranks train, with a Stop button (``workbench.widgets.dashboard.run_live``,
+    which says what it returns); headless it draws the same figures once at the end.
+    """
+    if live:
+        from workbench.widgets.dashboard import run_live
+
+        return run_live(cfg, out)
     from tqdm.auto import tqdm
 
     from workbench.launch import launch, under_torchrun
@@ -110,39 +148,107 @@ def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True)
     lead = not under_torchrun() or os.environ.get("RANK") == "0"
     bar = tqdm(total=cfg.steps, desc=f"training on {cfg.nproc} rank(s)", disable=not (progress and lead),
                file=sys.stderr)
+    streamed: list[dict[str, Any]] = []  # rank 0's metrics of every attempt: a restart's history starts later
 
     def on_report(rank: int, metrics: dict[str, Any]) -> None:
         if rank == 0:
-            bar.update(1)
+            streamed.append(metrics)
+            bar.n = metrics["step"] + 1  # a restart goes back to its checkpoint's step
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            bar.refresh()
+        if on_metrics is not None:
+            on_metrics(rank, metrics)
 
+    if cfg.resume and lead:
+        _prepare_resume(cfg)
     try:
         results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report, device=cfg.device,
-                         backend=cfg.backend, port=cfg.port)
+                         backend=cfg.backend, port=cfg.port, max_restarts=cfg.max_restarts)
     finally:
         bar.close()
     summary = summarize(cfg, results[0], results.traces)
+    if results.restarts:
+        summary["restarts"] = _restart_log(results.restarts, streamed, summary)
     if out is not None and lead:
         write_outputs(Path(out), summary, results.traces)
     return summary
+
+
+def _prepare_resume(cfg: Any) -> None:
+    """A resume on another layout gathers the checkpoint into full tensors first (``train.prepare_resharded_resume``,
+    which launches the saved layout's ranks on the CPU): not from inside torchrun, whose processes are the ranks."""
+    from workbench.launch import under_torchrun
+    from workbench.train import find_resume_point, layout_changes, prepare_resharded_resume, read_manifest
+
+    if under_torchrun():
+        saved = read_manifest(find_resume_point(cfg))["meta"]["run_config"]
+        if changes := layout_changes(cfg, saved):
+            raise ValueError(f"resuming on another layout ({'; '.join(changes)}) is not supported under torchrun: "
+                             f"run `workbench run --resume` with the new layout without torchrun")
+        return
+    if note := prepare_resharded_resume(cfg):
+        print(f"workbench: {note}", file=sys.stderr)
+
+
+def _restart_log(restarts: list[dict[str, Any]], streamed: list[dict[str, Any]],
+                 summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each restart with the last step its attempt finished; the summary's loss curve gets the steps that the
+    failed attempts trained before the step the final attempt resumed from (redone steps count once, as the
+    final attempt ran them)."""
+    final = summary["history"]
+    first_final = final[0]["step"] if final else math.inf
+    last_attempt = len(restarts)
+    before = {m["step"]: _plain_metrics(m) for m in streamed
+              if m.get("attempt", 0) < last_attempt and m["step"] < first_final}
+    summary["history"] = [before[s] for s in sorted(before)] + final
+    summary["losses"] = [m["loss"] for m in summary["history"]]
+    done = {}
+    for m in streamed:
+        done[m.get("attempt", 0)] = m["step"]
+    return [{**r, "last_step_done": done.get(r["attempt"] - 1)} for r in restarts]
+
+
+def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if k not in ("rank", "memory_peak", "comm_bytes", "attempt")}
 
 
 def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
     history = rank0["history"]
     steady = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
     return {
-        "config": cfg.to_dict(), "strategy": rank0["strategy"], "n_params": rank0["n_params"],
+        "config": _recorded_config(cfg), "strategy": rank0["strategy"], "n_params": rank0["n_params"],
         "losses": [m["loss"] for m in history], "tokens_per_s": statistics.median(steady),
         "step_time_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
         "final_params_sha256": rank0["final_params_sha256"], "history": history,
         "placement": rank0.get("placement"),
         "checkpoint": rank0.get("checkpoint"),
+        "attempt": rank0.get("attempt", 0),  # > 0: this result came from a restarted attempt (ours or torchrun's)
+        "stopped_after_step": rank0.get("stopped_after_step"),
+        "health": _health_summary(rank0, traces),
         "memory_peak_bytes": [t.memory.peak for t in traces],
         "device_memory": [asdict(t.device_memory) if t.device_memory is not None else None for t in traces],
         "mesh": _mesh(cfg),
         "comm_groups": comm_group_labels(_mesh(cfg)),
         **({"pipeline": _pipeline_summary(cfg, traces)} if cfg.pp > 1 else {}),
     }
+
+
+def _recorded_config(cfg: Any) -> dict[str, Any]:
+    """The config as summary.json records it: without the live dashboard's temporary stop file."""
+    config = cfg.to_dict()
+    config["extra"] = {k: v for k, v in config.get("extra", {}).items() if k != "stop_file"}
+    return config
+
+
+def _health_summary(rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
+    """Spike/NaN events and their actions, the validation curve, and stragglers from every rank's step times
+    (the first step is left out: it pays for warm-up on every rank alike)."""
+    from workbench.health import stragglers
+
+    health = dict(rank0.get("health") or {})
+    health["val_losses"] = [[m["step"], m["val_loss"]] for m in rank0["history"] if "val_loss" in m]
+    health["stragglers"] = stragglers([[m["step_time_s"] for m in t.metrics[1:] or t.metrics] for t in traces])
+    return health
 
 
 def _mesh(cfg: Any) -> dict[str, int]:
@@ -190,9 +296,20 @@ def write_outputs(out: Path, summary: dict[str, Any], traces: list[Any]) -> None
     from workbench.viz.report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "traces.json").write_text(json.dumps([t.to_dict() for t in traces]))
+    (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2, allow_nan=False))
+    (out / "traces.json").write_text(json.dumps(_json_safe([t.to_dict() for t in traces]), allow_nan=False))
     write_report(out / "report.html", summary, traces)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and inf (a skipped fp16 step's gradient norm, a diverged loss) as null: strict JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -376,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="what this machine offers a run: torch, backends, GPUs, cores, sensible --nproc")
     env.add_argument("--json", action="store_true", help="print the facts as JSON")
     _labs_parser(sub)
+    _report_parser(sub)
     return parser
 
 
@@ -411,6 +529,29 @@ def _labs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_parser(sub: Any) -> None:
+    p = sub.add_parser("report", help="compare runs side by side in one offline page (loss, speed, memory, bytes)",
+                       description="One self-contained HTML page comparing the runs that `workbench run --out DIR` "
+                                   "wrote: loss curves overlaid, step time, tokens/s, peak memory per category, "
+                                   "bytes moved per collective, and the settings that differ.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a directory written by `workbench run --out`")
+    p.add_argument("--out", default="report-compare.html",
+                   help="where to write the page (default: report-compare.html in the current directory)")
+
+
+def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Every run directory is checked before anything is written: a bad one is one line naming it (exit 2)."""
+    from workbench.viz.compare import RunDirError, write_compare
+
+    try:
+        out = write_compare(args.out, args.run_dirs)
+    except RunDirError as exc:
+        print(f"workbench report: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(args.run_dirs)} run(s) side by side)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every later flag belongs to benchmarks/run.py
@@ -421,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(parser, args)
     if args.command == "labs":
         return _labs(parser, args)
+    if args.command == "report":
+        return _report(parser, args)
     elif args.command == "env":
         from workbench.environment import describe_environment, format_environment
 

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import trace
+from workbench.faults import RESTART_ENV, restart_count
 
 VALID_BACKENDS = ("gloo", "nccl")
 VALID_DEVICES = ("auto", "cpu", "cuda")
@@ -68,6 +69,7 @@ class RankError(RuntimeError):
         self.message = message
         self.remote_traceback = remote_traceback
         self.exit_code = exit_code
+        self.restarts: list[dict[str, Any]] = []  # the restarts made before this, final, failure
         text = f"rank {rank} failed: {message}"
         if remote_traceback:
             text += f"\n\n--- traceback on rank {rank} ---\n{remote_traceback.rstrip()}"
@@ -80,6 +82,7 @@ class RankResults(list):
     def __init__(self, values: list[Any], traces: list[trace.Trace]):
         super().__init__(values)
         self.traces = traces
+        self.restarts: list[dict[str, Any]] = []  # one entry per restart launch(max_restarts=...) made
 
 
 @dataclass(frozen=True)
@@ -184,25 +187,51 @@ def under_torchrun() -> bool:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
            device: str | None = None, timeout: float = 60.0, port: int = 0,
-           on_report: Callable[[int, Any], None] | None = None, **kwargs: Any) -> RankResults:
+           on_report: Callable[[int, Any], None] | None = None, max_restarts: int = 0,
+           on_restart: Callable[[int, RankError], None] | None = None, **kwargs: Any) -> RankResults:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
     ``device`` (``auto``/``cpu``/``cuda``) and ``backend`` choose where ranks run (``resolve_placement``);
     inside ``fn``, ``rank_device()`` is this rank's device. ``timeout`` (seconds) bounds every collective.
     ``port`` is the rendezvous port on 127.0.0.1 (0: the OS picks a free one). ``on_report(rank, obj)`` is
     called in the caller for each ``workbench.launch.report(obj)`` a rank makes while running.
-    ``backend``, ``device``, ``timeout``, ``port`` and ``on_report`` are launch's own keywords; all other
-    keywords go to ``fn``.
+    ``max_restarts``: after a rank fails (raises, dies, or a collective times out), stop every rank and start
+    them all again, up to this many times (torchelastic's rule: restart the whole group, never one rank); in a
+    restarted rank ``workbench.faults.restart_count()`` says which attempt it is, so ``fn`` can resume from its
+    newest checkpoint. ``on_restart(attempt, error)`` is called before each restart; the result's ``restarts``
+    lists them. Under torchrun, its own ``--max-restarts`` does this and ``max_restarts`` is ignored.
+    ``backend``, ``device``, ``timeout``, ``port``, ``on_report``, ``max_restarts`` and ``on_restart`` are
+    launch's own keywords; all other keywords go to ``fn``.
 
     Raises ``RankError`` (a RuntimeError) naming the rank when a rank raises, dies or a collective times
     out; ``ValueError`` for bad arguments, before any process is started.
     """
     placement = _validate(fn, world_size, backend, device, timeout, port)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0 (how often to restart all ranks after a failure), "
+                         f"got {max_restarts!r}")
     if placement.note and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
         print(f"workbench: {placement.note}", file=sys.stderr)
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, placement, timeout, on_report, args, kwargs)
-    return _spawn_and_run(fn, world_size, placement, timeout, port, on_report, args, kwargs)
+    restarts: list[dict[str, Any]] = []
+    for attempt in range(max_restarts + 1):
+        try:
+            results = _spawn_and_run(fn, world_size, placement, timeout, port, on_report, args, kwargs, attempt)
+        except RankError as error:
+            error.restarts = restarts
+            if attempt == max_restarts:
+                raise
+            restarts.append({"attempt": attempt + 1, "rank": error.rank,
+                             "reason": error.message.splitlines()[0][:300], "time": time.time()})
+            print(f"workbench: rank {error.rank} failed ({restarts[-1]['reason']}); restarting all {world_size} "
+                  f"rank(s), restart {attempt + 1} of {max_restarts}", file=sys.stderr)
+            if on_restart is not None:
+                on_restart(attempt + 1, error)
+            continue
+        results.restarts = restarts
+        return results
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 class _Reporter:
@@ -246,8 +275,7 @@ def _run_under_torchrun(fn: Callable[..., Any], world_size: int, placement: Plac
     os.environ[_TIMEOUT_ENV] = str(timeout)
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(placement.backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout))
+        _init_torchrun_group(placement.backend, timeout)
     try:
         with trace.tracing(rank=rank, world_size=world_size) as tracer:
             result = fn(*args, **kwargs)
@@ -258,6 +286,16 @@ def _run_under_torchrun(fn: Callable[..., Any], world_size: int, placement: Plac
         _Reporter.send = None
         if owns_group:
             dist.destroy_process_group()
+
+
+def _init_torchrun_group(backend: str, timeout: float) -> None:
+    """``env://`` rendezvous, with this attempt's keys under their own prefix: after a restart torchrun's store
+    still holds the previous attempt's keys, and a rank reading the dead rank 0's gloo address from them fails
+    with "Connection refused" before the new rank 0 has overwritten it (seen on a loaded machine)."""
+    td = datetime.timedelta(seconds=timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=td))
+    store = dist.PrefixStore(f"workbench/attempt-{restart_count()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -272,7 +310,8 @@ def _context() -> Any:
 
 
 def _spawn_and_run(fn: Callable[..., Any], world_size: int, placement: Placement, timeout: float, port: int,
-                   on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict) -> RankResults:
+                   on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict,
+                   attempt: int = 0) -> RankResults:
     ctx = _context()
     payload = cloudpickle.dumps((fn, args, kwargs))
     store = _host_store(port, world_size, timeout)
@@ -283,7 +322,7 @@ def _spawn_and_run(fn: Callable[..., Any], world_size: int, placement: Placement
             for rank in range(world_size):
                 p = ctx.Process(target=_rank_main, name=f"workbench-rank{rank}", daemon=True,
                                 args=(rank, world_size, store.port, placement, timeout, payload, messages,
-                                      os.getpid(), on_report is not None))
+                                      os.getpid(), on_report is not None, attempt))
                 p.start()
                 procs.append(p)
         return _supervise(procs, messages, timeout, on_report)
@@ -464,12 +503,13 @@ def _stop_all(procs: list[Any]) -> None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, placement: Placement, timeout: float, payload: bytes,
-               messages: Any, parent_pid: int, listens: bool) -> None:
+               messages: Any, parent_pid: int, listens: bool, attempt: int = 0) -> None:
     pumps = _redirect_output(rank, messages)
     _Reporter.send = (lambda obj: messages.put(("report", rank, obj))) if listens else None
     _exit_when_parent_dies(parent_pid)
     _set_rank_env(rank, world_size, port)
     os.environ[_TIMEOUT_ENV] = str(timeout)
+    os.environ[RESTART_ENV[0]] = str(attempt)
     ok = False
     try:
         fn, args, kwargs = cloudpickle.loads(payload)

@@ -11,19 +11,24 @@ bits instead, so a gradient that fits in fp32 fits in bf16. fp16 has 5 exponent 
 about 6e-8, largest 65504): gradients of a few times 1e-8 flush to zero unless scaled up, and a too-large
 scale overflows to inf, which is why the scale is *dynamic* (grow while clean, back off on inf/NaN).
 
-How it slots into training (integration is a later step; nothing here imports ``train`` or ``parallel``):
+How it slots into training (``workbench.parallel.parallelize`` wires it into every strategy; ``workbench run
+--precision {fp32,bf16,fp16} --reduce-dtype ...``):
 
-* ``policy(args.precision)`` gives a ``PrecisionPolicy``; ``policy.needs_scaler`` says whether to build a
-  ``DynamicLossScaler``.
-* A plain or DDP-wrapped model: ``masters = cast_for_compute(model, policy)`` before wrapping; build the
-  optimizer on ``masters``; each step runs ``MixedPrecisionStep.step`` (or its parts: ``scaler.scale(loss)``,
-  backward, ``copy_grads_to_masters``, ``scaler.found_inf(..., groups)``, ``optimizer.step()``,
-  ``copy_masters_to_model``). The DDP wrappers reduce the compute-dtype gradients themselves; to reduce in
-  fp32 instead, reduce the master gradients (``reduce_grads``) after ``copy_grads_to_masters``.
+* ``policy(name, reduce_in_fp32)`` gives a ``PrecisionPolicy``; ``policy.needs_scaler`` says whether to build
+  a ``DynamicLossScaler``.
+* Replicated and sharded-optimizer strategies (single process, every DDP, ZeRO-1/2, TP, PP): the model's fp32
+  parameters *are* the masters; forward runs under ``autocast(policy, device_type)`` (torch's AMP: each
+  matmul casts its fp32 weight and input to ``param_dtype``, reductions such as the loss stay fp32), so the
+  gradients land in fp32 ``.grad`` and are reduced in fp32, and the optimizer state is fp32.
 * ZeRO-3: ``policy.sharded()`` is a ``MixedPrecision`` view like FSDP2's ``MixedPrecisionPolicy``: the
-  sharded model keeps its fp32 shard as the master, casts the all-gathered full parameter to
-  ``param_dtype`` for compute, reduce-scatters gradients in ``reduce_dtype`` and accumulates into the fp32
-  shard's gradient.
+  sharded model keeps its fp32 shard as the master, casts it to ``param_dtype`` and all-gathers that (half
+  the bytes gathered and moved), runs the units without autocast, reduce-scatters gradients in
+  ``reduce_dtype`` and accumulates into the fp32 shard's gradient.
+* fp16: the loss is multiplied by ``scaler.scale_value`` before backward; after the gradient reduction each
+  rank unscales the gradients it holds (``p.grad``, or its ZeRO shard), ``found_inf`` agrees over the whole
+  mesh, then the step is taken or skipped (``Parallelized.optimizer_step``).
+* For a plain model outside ``parallelize`` (teaching the recipe by hand): ``cast_for_compute`` keeps a 16-bit
+  compute copy and fp32 masters, and ``MixedPrecisionStep`` runs one step of it.
 * The inf check must see every gradient shard: pass the groups whose union is the whole mesh (world, or the
   dp and tp groups of a 2-D mesh: a MAX over each axis in turn is a MAX over the product).
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +102,15 @@ class PrecisionPolicy:
         return MixedPrecision(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
 
+def autocast(policy_: PrecisionPolicy, device_type: str) -> AbstractContextManager:
+    """``torch.autocast`` to the policy's compute dtype on ``device_type`` ("cpu", "cuda"); fp32: a no-op
+    context, so an fp32 run executes exactly the ops it did before mixed precision existed."""
+    _check_policy(policy_)
+    if policy_.param_dtype == MASTER_DTYPE:
+        return nullcontext()
+    return torch.autocast(device_type=device_type, dtype=policy_.param_dtype)
+
+
 def policy(name: str, reduce_in_fp32: bool = True) -> PrecisionPolicy:
     """The policy named ``name`` ("fp32", "bf16", "fp16"); gradients reduced in fp32 unless told otherwise."""
     if name not in PRECISIONS:
@@ -104,6 +119,17 @@ def policy(name: str, reduce_in_fp32: bool = True) -> PrecisionPolicy:
         raise ValueError(f"reduce_in_fp32 must be True or False, got {reduce_in_fp32!r}")
     compute = _COMPUTE_DTYPES[name]
     return PrecisionPolicy(name, compute, MASTER_DTYPE if reduce_in_fp32 else compute)
+
+
+def policy_from_names(precision: str, reduce_dtype: str = "fp32") -> PrecisionPolicy:
+    """The policy of ``--precision P --reduce-dtype R``: R is "fp32" or P's own compute dtype name."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    valid = ("fp32",) if precision == "fp32" else ("fp32", precision)
+    if reduce_dtype not in valid:
+        raise ValueError(f"reduce_dtype={reduce_dtype!r} with precision={precision!r}; valid: {', '.join(valid)} "
+                         f"(gradients are reduced in fp32 or in the compute dtype)")
+    return policy(precision, reduce_in_fp32=reduce_dtype == "fp32")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -173,6 +173,9 @@ class Tracer:
         self.trace = Trace(rank=rank, world_size=world_size)
         self.step: int | None = None
         self.enabled = True
+        #: Bytes per collective op since the last ``take_comm_totals``, counted even while ``enabled`` is off
+        #: (two dict updates per op): what a live dashboard streams every step without a full trace.
+        self.comm_totals: dict[str, int] = {}
 
     @property
     def memory(self) -> MemoryLedger:
@@ -188,9 +191,15 @@ class Tracer:
                 self.trace.spans.append(Span(name, category, t0, time.time(), self.trace.rank, self.step))
 
     def record_comm(self, event: CommEvent) -> None:
+        self.comm_totals[event.op] = self.comm_totals.get(event.op, 0) + event.nbytes
         if self.enabled:
             event.step = self.step if event.step is None else event.step
             self.trace.comms.append(event)
+
+    def take_comm_totals(self) -> dict[str, int]:
+        """Bytes per op counted since the last call, and start counting afresh."""
+        totals, self.comm_totals = self.comm_totals, {}
+        return totals
 
     def record_metrics(self, metrics: dict[str, Any]) -> None:
         self.trace.metrics.append(dict(metrics))
@@ -225,8 +234,26 @@ class Tracer:
 
 
 def _is_parameter_or_view(t: Any) -> bool:
+    """A parameter, a view of one, or a copy of one made to compute with: bytes of the model, not activations.
+
+    Copies: autocast's cast of a weight to the compute dtype (``_to_copy`` of a leaf parameter), and the full
+    parameters an autograd Function gathers from shards when it says so (``gathers_parameters = True`` on the
+    Function, as ZeRO-3's unshard does)."""
     base = t._base if t._base is not None else t
-    return base.is_leaf and base.requires_grad
+    if base.is_leaf and base.requires_grad:
+        return True
+    node = base.grad_fn
+    if node is None:
+        return False
+    if getattr(getattr(node, "_forward_cls", None), "gathers_parameters", False):
+        return True
+    return type(node).__name__ == "ToCopyBackward0" and _only_parameters_feed(node)
+
+
+def _only_parameters_feed(node: Any) -> bool:
+    """True when every input of the autograd ``node`` is a leaf parameter (AccumulateGrad)."""
+    inputs = [fn for fn, _ in node.next_functions if fn is not None]
+    return bool(inputs) and all(type(fn).__name__ == "AccumulateGrad" for fn in inputs)
 
 
 class _Active:

@@ -27,18 +27,24 @@ import torch
 
 from workbench import comm, trace
 from workbench.checkpoint import (
+    AsyncCheckpointer,
     CheckpointError,
     discard_newer,
     ensure_writable,
+    export_full_state_dict,
     latest_good,
+    list_steps,
     load,
     read_manifest,
     rng_state,
     save,
     set_rng_state,
     step_dir,
+    write_atomic,
 )
 from workbench.data import ShardedSampler, corpus_tokens, make_lm_data
+from workbench.faults import maybe_inject, parse_fault, restart_count
+from workbench.health import SPIKE_ACTIONS, SpikeDetector, check_disjoint, check_split, split_windows
 from workbench.launch import report
 from workbench.mesh import Mesh
 from workbench.models import PRESETS, GPTConfig, build_gpt
@@ -61,6 +67,8 @@ class RunConfig:
     virtual_stages: int = 1  # stages per rank (interleaved)
     sp: bool = False  # sequence parallelism (needs tp > 1)
     recompute: str = "none"  # activation recomputation: none, selective (attention core), full (every block)
+    precision: str = "fp32"  # compute dtype: fp32, bf16, fp16 (fp32 masters and optimizer state; fp16: loss scaler)
+    reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32, or the compute dtype (needs zero=3)
     steps: int = 50
     batch_size: int = 16
     grad_accum: int = 1
@@ -84,6 +92,14 @@ class RunConfig:
     ckpt_every: int | None = None  # save after every K-th step (and after the last); None: after the last only
     keep: int | None = None  # keep the newest K checkpoints; None: keep them all
     resume: bool = False  # continue from the newest good checkpoint in ckpt_dir (same layout only)
+    async_ckpt: bool = False  # snapshot to CPU and write in a background thread while training goes on
+    export: str | None = None  # write the trained model's full state dict here (a plain model loads it)
+    max_restarts: int = 0  # restart every rank after a failure, up to K times, resuming from the newest checkpoint
+    inject_fault: str | None = None  # KIND:rank=R:step=S, KIND in kill/raise/hang (workbench.faults), first attempt
+    val_every: int | None = None  # validation loss every K steps on a held-out split (and a duplicated-shard check)
+    val_fraction: float = 0.1  # the corpus's last windows held out for validation when val_every is set
+    on_spike: str = "warn"  # a NaN/Inf or loss spike: warn, rollback (to the newest checkpoint, skipping batches), stop
+    spike_factor: float = 3.0  # a loss above this x the recent median is a spike
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,6 +133,7 @@ class RunConfig:
             check_sequence_parallel_sizes(self.gpt_config(), self.tp)
         self._validate_pipeline()
         check_recompute_mode(self.recompute)
+        self._validate_precision()
         if self.tp > 1:
             from workbench.parallel import TP_ZERO_STAGES
             from workbench.parallel.tensor import check_tensor_parallel_sizes
@@ -151,12 +168,41 @@ class RunConfig:
             _positive_int("seq_len", self.seq_len)
         self._validate_data()
         self._validate_checkpointing()
+        self._validate_faults()
+        self._validate_health()
+        if self.export is not None:
+            ensure_writable(Path(self.export).parent)
+
+    def _validate_faults(self) -> None:
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0 (restarts after a failure), got {self.max_restarts!r}")
+        if self.inject_fault is not None:
+            parse_fault(self.inject_fault, self.nproc, self.steps)
+
+    def _validate_health(self) -> None:
+        if self.on_spike not in SPIKE_ACTIONS:
+            raise ValueError(f"on_spike={self.on_spike!r}; valid: {', '.join(SPIKE_ACTIONS)}")
+        if self.on_spike == "rollback" and self.ckpt_dir is None:
+            raise ValueError("on_spike='rollback' needs ckpt_dir (--ckpt-dir DIR): it rolls back to the newest "
+                             "checkpoint")
+        SpikeDetector(factor=self.spike_factor)
+        if self.val_every is None:
+            return
+        _positive_int("val_every", self.val_every)
+        if self.pp > 1:
+            raise ValueError("val_every with pp > 1 is not supported yet: validation runs a plain forward, and a "
+                             "pipeline's forward needs its schedule; leave --val-every out")
+        total = (corpus_tokens(self.data) - 1) // self.gpt_config().seq_len
+        split = split_windows(total, self.val_fraction)
+        if split.train < self.batch_size:
+            raise ValueError(f"holding out val_fraction={self.val_fraction} leaves {split.train} training windows, "
+                             f"fewer than batch_size={self.batch_size}; use a smaller val_fraction or batch")
 
     def _validate_checkpointing(self) -> None:
         """Checkpoint flags, the directory, and (``resume``) the checkpoint to resume from, before any rank starts."""
         if self.ckpt_dir is None:
-            for name in ("ckpt_every", "keep"):
-                if getattr(self, name) is not None:
+            for name in ("ckpt_every", "keep", "async_ckpt"):
+                if getattr(self, name) not in (None, False):
                     raise ValueError(f"{name}={getattr(self, name)!r} needs ckpt_dir (--ckpt-dir DIR): "
                                      "the directory checkpoints are written to")
             if self.resume:
@@ -170,6 +216,16 @@ class RunConfig:
         if self.resume:
             find_resume_point(self)
         ensure_writable(self.ckpt_dir)
+
+    def _validate_precision(self) -> None:
+        """Precision and reduce dtype named before any rank starts (``workbench.precision``)."""
+        from workbench.precision import policy_from_names
+
+        policy_from_names(self.precision, self.reduce_dtype)
+        if self.reduce_dtype != "fp32" and (self.zero != 3 or self.pp > 1):
+            raise ValueError(f"reduce_dtype={self.reduce_dtype!r} needs zero=3 (ZeRO-3 reduce-scatters gradients in "
+                             f"its policy's reduce dtype); with zero={self.zero}, pp={self.pp} gradients are reduced "
+                             f"in fp32 (autocast leaves fp32 .grad): use reduce_dtype='fp32'")
 
     def _validate_pipeline(self) -> None:
         """Schedule, micro-batches and stages checked here, before any rank starts."""
@@ -213,8 +269,13 @@ class RunConfig:
 
 #: RunConfig fields a resume must share with the checkpoint: they fix the tensors' shapes, which shard each rank
 #: holds (same-layout resume only) or the data order. Others (steps, lr, warmup, clip, timeout...) may change.
-RESUME_MUST_MATCH = ("model", "seq_len", "nproc", "dp", "tp", "pp", "sp", "zero", "offload", "schedule",
-                     "microbatches", "virtual_stages", "batch_size", "grad_accum", "seed", "data")
+RESUME_MUST_MATCH = ("model", "seq_len", "batch_size", "seed", "data", "val_every", "val_fraction")
+#: RunConfig fields a resume may change: the layout. The checkpoint is then resharded (``workbench.reshard``):
+#: gathered into full tensors on the saved layout once (``full-state.pt`` beside its shards), then sharded the new
+#: way by every rank of the new one.
+LAYOUT_FIELDS = ("nproc", "dp", "tp", "pp", "sp", "zero", "offload", "schedule", "microbatches", "virtual_stages",
+                 "grad_accum")
+FULL_STATE = "full-state.pt"
 
 
 def checkpoint_config(cfg: RunConfig) -> dict[str, Any]:
@@ -222,10 +283,12 @@ def checkpoint_config(cfg: RunConfig) -> dict[str, Any]:
     return {k: v for k, v in cfg.to_dict().items() if k != "extra"}
 
 
-def find_resume_point(cfg: RunConfig) -> Path:
+def find_resume_point(cfg: RunConfig, finished_ok: bool = False) -> Path:
     """The newest good checkpoint in ``cfg.ckpt_dir``, checked against ``cfg``; ``ValueError`` saying why not.
 
-    Newer checkpoints that fail verification are skipped with a warning (``checkpoint.latest_good``)."""
+    Newer checkpoints that fail verification are skipped with a warning (``checkpoint.latest_good``).
+    ``finished_ok``: a checkpoint of the last step is fine (a restart after the final save has nothing left to do);
+    a ``--resume`` asking for no more steps than were done is an error."""
     try:
         path = latest_good(cfg.ckpt_dir)
     except CheckpointError as e:
@@ -233,7 +296,7 @@ def find_resume_point(cfg: RunConfig) -> Path:
     manifest = read_manifest(path)
     check_resumable(cfg, manifest.get("meta", {}).get("run_config"), path)
     step = manifest["step"]
-    if step + 1 >= cfg.steps:
+    if step + 1 >= cfg.steps and not finished_ok:
         raise ValueError(f"cannot resume from {path}: it holds the state after step {step} ({step + 1} steps done) "
                          f"and steps={cfg.steps} leaves nothing to train; pass --steps > {step + 1}")
     return path
@@ -248,8 +311,48 @@ def check_resumable(cfg: RunConfig, saved: dict[str, Any] | None, path: str | Pa
               if _effective(saved, k) != _effective(mine, k)]
     if differ:
         raise ValueError(f"cannot resume from {path}: it was saved with {', '.join(differ)}; a resume must keep the "
-                         f"layout and the data order (fields {', '.join(RESUME_MUST_MATCH)}); rerun with the saved "
-                         f"values or start a fresh --ckpt-dir")
+                         f"model and the data order (fields {', '.join(RESUME_MUST_MATCH)}; the layout may change: "
+                         f"{', '.join(LAYOUT_FIELDS)}); rerun with the saved values or start a fresh --ckpt-dir")
+
+
+def layout_changes(cfg: RunConfig, saved: dict[str, Any]) -> list[str]:
+    """The layout fields in which ``cfg`` differs from a checkpoint's run config (empty: same layout)."""
+    mine = checkpoint_config(cfg)
+    return [f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in LAYOUT_FIELDS if saved.get(k) != mine[k]]
+
+
+def prepare_resharded_resume(cfg: RunConfig) -> str | None:
+    """In the caller, before the ranks start: if ``cfg`` resumes on another layout than its checkpoint was saved
+    with, gather that checkpoint into full tensors once, on CPU ranks of the saved layout (``FULL_STATE``
+    beside the shards, written atomically). Returns a line saying what changes, or None for the same layout."""
+    path = find_resume_point(cfg)
+    saved = read_manifest(path)["meta"]["run_config"]
+    changes = layout_changes(cfg, saved)
+    if not changes:
+        return None
+    if not (path / FULL_STATE).is_file():
+        from workbench.launch import launch
+
+        keep = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
+        source = RunConfig(**{**keep, "device": "cpu", "backend": None, "port": 0, "ckpt_dir": None,
+                              "ckpt_every": None, "keep": None, "resume": False, "async_ckpt": False, "export": None,
+                              "max_restarts": 0, "inject_fault": None, "extra": {}})
+        launch(_consolidate_rank, source.nproc, source, str(path), device="cpu", timeout=source.timeout)
+    return f"resharding {path.name} ({'; '.join(changes)})"
+
+
+def _consolidate_rank(cfg: RunConfig, path: str) -> None:
+    """One rank of the saved layout: load its shard, gather the full state; rank 0 writes it."""
+    from workbench.reshard import full_training_state
+
+    trainer = Trainer(cfg)
+    state = load(path, map_location=trainer.device)
+    trainer.strategy.model.load_state_dict(state["model"])
+    trainer.strategy.optimizer.load_state_dict(state["optim"])
+    full = full_training_state(trainer.strategy)
+    if comm.group_rank() == 0:
+        extra = {k: state[k] for k in ("step", "sampler", "rng", "scaler") if k in state}
+        write_atomic(Path(path) / FULL_STATE, {**full, **extra})
 
 
 def _effective(config: dict[str, Any], key: str) -> Any:
@@ -287,6 +390,9 @@ def params_sha256(named_params: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+_NOTHING_SAVED = -2  # rank 0's answer to a restart that finds no checkpoint: start from step 0
+
+
 class Trainer:
     """Steps a parallelized model on the sharded global batch; records spans, metrics and memory."""
 
@@ -296,14 +402,23 @@ class Trainer:
         self.device = self.mesh.device
         model_cfg = cfg.gpt_config()
         self.dataset = make_lm_data(model_cfg.seq_len, cfg.data)  # host memory; each batch moves to the device
-        self.sampler = ShardedSampler(len(self.dataset), cfg.batch_size, self.mesh.dp_rank, self.mesh.dp_size,
+        self.split = split_windows(len(self.dataset), cfg.val_fraction) if cfg.val_every else None
+        if self.split is not None:
+            check_split(self.split, model_cfg.seq_len)
+        train_windows = len(self.dataset) if self.split is None else self.split.train
+        self.data_skip = 0  # batches skipped by spike rollbacks: step s trains on batch s + data_skip
+        self.checkpointer: AsyncCheckpointer | None = None  # --async-ckpt's writer, made at the first save
+        self.checkpoint_stalls: list[dict[str, float]] = []  # how long each save held the training loop
+        self.sampler = ShardedSampler(train_windows, cfg.batch_size, self.mesh.dp_rank, self.mesh.dp_size,
                                       seed=cfg.seed)
         model = build_gpt(model_cfg, seed=cfg.seed, device=self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
-        self.strategy = parallelize(model, self.mesh, ParallelConfig(
+        self.parallel_config = ParallelConfig(
             ddp=cfg.ddp, bucket_mb=cfg.bucket_mb, zero=cfg.zero, offload=cfg.offload, lr=cfg.lr,
             weight_decay=cfg.weight_decay, sp=cfg.sp, grad_accum=cfg.grad_accum, schedule=cfg.schedule,
-            microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, recompute=cfg.recompute))
+            microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, recompute=cfg.recompute,
+            precision=cfg.precision, reduce_dtype=cfg.reduce_dtype)
+        self.strategy = parallelize(model, self.mesh, self.parallel_config)
         self.step_index = 0
         self.tokens_per_step = cfg.batch_size * model_cfg.seq_len
 
@@ -318,21 +433,21 @@ class Trainer:
         for group in s.optimizer.param_groups:
             group["lr"] = lr
         with trace.span("data", "data"):
-            x, y = self.dataset.get(self.sampler.indices(self.step_index), device=self.device)
+            x, y = self.dataset.get(self.sampler.indices(self.step_index + self.data_skip), device=self.device)
         local_loss = s.forward_backward(x, y)  # the strategy owns its micro-batches (accumulation or a pipeline)
         with trace.span("grad sync wait", "wait"):
             s.finish_grad_sync()
-        with trace.span("optimizer", "optimizer"):
-            grad_norm = s.clip_grad_norm(cfg.clip if cfg.clip is not None else math.inf)
-            s.optimizer.step()
+        with trace.span("optimizer", "optimizer"):  # fp16: unscale, agree on inf/NaN, then step or skip
+            stepped = s.optimizer_step(cfg.clip if cfg.clip is not None else math.inf)
         s.record_memory()  # before zero_grad: gradients and optimizer state are both alive here
         trace.record_device_memory(self.device)
         s.optimizer.zero_grad(set_to_none=True)
         loss = local_loss.clone()
         comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="metrics")
         elapsed = time.time() - t0
-        metrics = {"step": self.step_index, "loss": loss.item(), "grad_norm": float(grad_norm), "lr": lr,
-                   "step_time_s": elapsed, "tokens_per_s": self.tokens_per_step / elapsed}
+        metrics = {"step": self.step_index, "loss": loss.item(), "grad_norm": stepped["grad_norm"], "lr": lr,
+                   "step_time_s": elapsed, "tokens_per_s": self.tokens_per_step / elapsed,
+                   "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"]}
         if tracer is not None:
             tracer.record_metrics(metrics)
         self.step_index += 1
@@ -350,13 +465,33 @@ class Trainer:
         """Every rank saves the state its strategy holds after the step just taken; returns that step's index."""
         s, step = self.strategy, self.step_index - 1
         state = {"model": s.model.state_dict(), "optim": s.optimizer.state_dict(), "step": step,
-                 "rng": rng_state(), "sampler": {**self.sampler.state_dict(), "step": self.step_index}}
-        save(self.cfg.ckpt_dir, step, state, meta={"run_config": checkpoint_config(self.cfg), "strategy": s.describe},
-             keep=self.cfg.keep)
+                 "rng": rng_state(), "sampler": {**self.sampler.state_dict(), "step": self.step_index,
+                                                 "data_skip": self.data_skip}}
+        if s.scaler is not None:
+            state["scaler"] = s.scaler.state_dict()
+        meta = {"run_config": checkpoint_config(self.cfg), "strategy": s.describe}
+        t0 = time.perf_counter()
+        with trace.span(f"checkpoint step {step}", "other"):
+            if self.cfg.async_ckpt:  # snapshot to CPU here, write in a background thread (checkpoint.AsyncCheckpointer)
+                if self.checkpointer is None:
+                    self.checkpointer = AsyncCheckpointer(self.cfg.ckpt_dir, keep=self.cfg.keep)
+                self.checkpointer.save(step, state, meta=meta)
+            else:
+                save(self.cfg.ckpt_dir, step, state, meta=meta, keep=self.cfg.keep)
+        self.checkpoint_stalls.append({"step": step, "stall_s": time.perf_counter() - t0})
         return step
 
-    def resume(self) -> tuple[int, list[str]]:
+    def finish_checkpoints(self) -> None:
+        """Wait for an async save in flight (its errors surface here) and stop its writer thread."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
+
+    def resume(self, after_restart: bool = False) -> tuple[int | None, list[str]]:
         """Load the newest good checkpoint; the next ``step()`` is the one after it. Returns (its step, warnings).
+
+        ``after_restart``: this attempt follows a failure (``faults.restart_count() > 0``); with no checkpoint
+        written yet it starts from step 0 (returns ``(None, [])``), as the seeded run it replaces did.
 
         Rank 0 alone picks the checkpoint and broadcasts its step: ``latest_good`` hashes every shard, and ranks
         picking on their own could disagree (a file changing between their reads) and load different steps.
@@ -367,23 +502,102 @@ class Trainer:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    step = read_manifest(find_resume_point(cfg))["step"]
-                    discard_newer(cfg.ckpt_dir, step)
+                    if after_restart and not list_steps(cfg.ckpt_dir):
+                        step = _NOTHING_SAVED
+                    else:
+                        step = read_manifest(find_resume_point(cfg, finished_ok=after_restart))["step"]
+                        discard_newer(cfg.ckpt_dir, step)
                 except ValueError as e:
                     problem = str(e)
             skipped = [str(w.message) for w in caught]
         step = self._broadcast_step(step)
+        if step == _NOTHING_SAVED:
+            return None, skipped
         if step < 0:
             raise ValueError(problem or "rank 0 found no checkpoint to resume from (its error says why)")
-        state = load(step_dir(cfg.ckpt_dir, step), map_location=self.device)
+        folder = step_dir(cfg.ckpt_dir, step)
+        if layout_changes(cfg, read_manifest(folder)["meta"]["run_config"]):
+            self._load_resharded(folder)
+            return step, skipped
+        state = load(folder, map_location=self.device)
         if state["step"] != step:
             raise CheckpointError(f"{step_dir(cfg.ckpt_dir, step)} holds step {state['step']}, not {step}")
         self.strategy.model.load_state_dict(state["model"])
         self.strategy.optimizer.load_state_dict(state["optim"])
         self.sampler.load_state_dict(state["sampler"])  # refuses another seed or global batch
+        self.data_skip = int(state["sampler"].get("data_skip", 0))
+        if self.strategy.scaler is not None and "scaler" in state:  # absent: saved in fp32/bf16, start afresh
+            self.strategy.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
         self.step_index = step + 1
         return step, skipped
+
+    def _load_resharded(self, folder: Path) -> None:
+        """Another layout saved this checkpoint: load its full state (``prepare_resharded_resume`` wrote it) and
+        shard it this layout's way. The RNG state is rank 0's on every rank: per-rank streams of another world
+        size have no counterpart here (the tiny GPT's dropout is off, so training does not draw from them)."""
+        from workbench.reshard import load_full_training_state
+
+        file = folder / FULL_STATE
+        if not file.is_file():
+            raise CheckpointError(f"{folder} was saved on another layout and has no {FULL_STATE}; resume through "
+                                  f"workbench run / run_training, which writes it before the ranks start")
+        full = torch.load(file, map_location="cpu", weights_only=True)
+        load_full_training_state(self.strategy, full, self._shard_like_params)
+        self.sampler.load_state_dict(full["sampler"])
+        self.data_skip = int(full["sampler"].get("data_skip", 0))
+        if self.strategy.scaler is not None and full.get("scaler"):
+            self.strategy.scaler.load_state_dict(full["scaler"])
+        set_rng_state(full["rng"])
+        self.step_index = int(full["step"]) + 1
+
+    def _shard_like_params(self, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """This layout's strategy built on a model whose parameters are ``values``: what its optimizer's tensors
+        hold is each value's shard (``reshard.load_full_training_state``). Traced into a throwaway tracer."""
+        from workbench.reshard import optimizer_slots
+
+        model = build_gpt(self.cfg.gpt_config(), seed=self.cfg.seed, device=self.device)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(values[name])
+        with trace.tracing(rank=comm.group_rank(), world_size=comm.group_size()):
+            strategy = parallelize(model, self.mesh, self.parallel_config)
+        return [s.detach().clone() for s in optimizer_slots(strategy.optimizer)]
+
+    # -- health -------------------------------------------------------------------------------------------
+
+    def validation_loss(self) -> float:
+        """Mean loss over the first global batch of held-out windows, sharded over dp like a training batch."""
+        assert self.split is not None, "validation_loss needs val_every (a held-out split)"
+        windows = list(self.split.val_windows)[: self.cfg.batch_size]
+        per_rank = -(-len(windows) // self.mesh.dp_size)
+        mine = windows[self.mesh.dp_rank * per_rank:(self.mesh.dp_rank + 1) * per_rank] or windows[:1]
+        x, y = self.dataset.get(mine, device=self.device)
+        with torch.no_grad(), trace.span("validation", "other"):
+            loss = self.strategy.model(x, y).detach().reshape(1).float()
+        comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="health")
+        return float(loss.item())
+
+    def check_data_shards(self) -> None:
+        """Gather the windows every data-parallel rank drew for the step just taken; ``ValueError`` on overlap."""
+        mine = self.sampler.indices(self.step_index - 1 + self.data_skip)
+        drawn = comm.all_gather_object(mine, group=self.mesh.dp_group) if comm.is_distributed() else [mine]
+        check_disjoint(drawn, self.step_index - 1)
+
+    def poison_parameters(self) -> None:
+        """Fill this rank's first parameter with NaN (the ``nan:`` fault): a corrupted weight, as after a bad
+        update or a flipped bit, which the gradient all-reduce then spreads to every rank."""
+        with torch.no_grad():
+            next(p for p in self.strategy.model.parameters() if p.requires_grad).fill_(float("nan"))
+
+    def roll_back(self, bad_step: int) -> int:
+        """Reload the newest checkpoint and skip the batches from there to ``bad_step`` (PaLM's remedy for a
+        spike, Chowdhery et al. 2022 §5.1); returns the step rolled back to."""
+        skip = self.data_skip
+        self.finish_checkpoints()  # the newest checkpoint may still be being written
+        step, _ = self.resume()
+        self.data_skip = int(self.data_skip) + (bad_step - step) if step is not None else skip
+        return step
 
     def _broadcast_step(self, step: int) -> int:
         if not comm.is_distributed():
@@ -397,18 +611,53 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
     """Run ``cfg.steps`` steps on this rank; rank 0's result carries the full-parameter hash."""
     torch.manual_seed(cfg.seed)
     trainer = Trainer(cfg)
-    resumed, skipped = trainer.resume() if cfg.resume else (None, [])
-    history, written = [], []
-    for _ in range(trainer.step_index, cfg.steps):
+    restarted = restart_count() > 0 and cfg.ckpt_dir is not None
+    resumed, skipped = trainer.resume(after_restart=restarted) if cfg.resume or restarted else (None, [])
+    fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
+    stop = StopSignal(cfg.extra.get("stop_file"), trainer.device)
+    detector, events, rollbacks = SpikeDetector(factor=cfg.spike_factor), [], 0
+    history, written, stopped_after = [], [], None
+    while trainer.step_index < cfg.steps:
+        if maybe_inject(fault, comm.group_rank(), trainer.step_index):
+            trainer.poison_parameters()
+            fault = None  # once: the rolled-back run replays this step index with other batches
         metrics = trainer.step()
+        if cfg.val_every and (trainer.step_index % cfg.val_every == 0 or trainer.step_index == cfg.steps):
+            trainer.check_data_shards()
+            metrics["val_loss"] = trainer.validation_loss()
         history.append(metrics)
-        report(metrics)
+        report(_streamed(metrics))
+        problem = detector.check(metrics["loss"], metrics["grad_norm"])
+        if problem is not None:
+            action = _spike_action(cfg, written, rollbacks)
+            events.append({"step": metrics["step"], "problem": problem, "action": action})
+            if comm.group_rank() == 0:  # every rank reaches the same verdict: say it once
+                warnings.warn(f"step {metrics['step']}: {problem}; action: {action}", stacklevel=1)
+            if action == "stop":
+                stopped_after = metrics["step"]
+                break
+            if action == "rollback":
+                back_to = trainer.roll_back(metrics["step"])
+                events[-1]["rolled_back_to_step"] = back_to
+                detector.reset()
+                rollbacks += 1
+                history = [m for m in history if m["step"] <= back_to]
+                continue
         if trainer.checkpoint_due():
             written.append(trainer.save_checkpoint())
+        if stop.requested():
+            stopped_after = metrics["step"]
+            if cfg.ckpt_dir is not None and written[-1:] != [stopped_after]:
+                written.append(trainer.save_checkpoint())  # what was trained is kept: a later --resume goes on
+            break
+    trainer.finish_checkpoints()
     checkpoint = None if cfg.ckpt_dir is None else {
         "dir": cfg.ckpt_dir, "every": cfg.ckpt_every, "keep": cfg.keep, "written_steps": written,
-        "resumed_from_step": resumed, "skipped_on_resume": skipped}
+        "resumed_from_step": resumed, "skipped_on_resume": skipped, "async": cfg.async_ckpt,
+        "stalls": trainer.checkpoint_stalls}
     full = trainer.strategy.full_parameters()
+    if cfg.export is not None and comm.group_rank() == 0:
+        export_full_state_dict(build_gpt(cfg.gpt_config(), seed=cfg.seed), full, cfg.export)
     backend = torch.distributed.get_backend() if comm.is_distributed() else "none"
     return {"history": history, "n_params": trainer.n_params, "strategy": trainer.strategy.describe,
             "final_params_sha256": params_sha256(full) if comm.group_rank() == 0 else None,
@@ -416,7 +665,50 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
                           "device_name": _device_name(trainer.device)},
             "final_params": {k: v.detach().cpu().clone() for k, v in full.items()} if cfg.extra.get("return_params")
             else None,
-            "checkpoint": checkpoint}
+            "checkpoint": checkpoint, "stopped_after_step": stopped_after, "attempt": restart_count(),
+            "health": {"events": events, "data_skip": trainer.data_skip,
+                       "val_split": None if trainer.split is None else {
+                           "train_windows": trainer.split.train, "val_windows": len(trainer.split.val_windows)}}}
+
+
+MAX_ROLLBACKS = 3  # a spike that comes back after this many rollbacks stops the run: it is not transient
+
+
+def _spike_action(cfg: RunConfig, written: list[int], rollbacks: int) -> str:
+    """What to do about an unhealthy step: the configured action, unless a rollback has nothing to go back to
+    (no checkpoint saved in this attempt or before) or has been tried ``MAX_ROLLBACKS`` times: then stop."""
+    if cfg.on_spike != "rollback":
+        return cfg.on_spike
+    has_checkpoint = bool(written) or bool(list_steps(cfg.ckpt_dir))
+    return "rollback" if has_checkpoint and rollbacks < MAX_ROLLBACKS else "stop"
+
+
+class StopSignal:
+    """A Stop button's request, seen by every rank at the same step: rank 0 looks for ``stop_file`` after each
+    step and a MAX all-reduce of one flag tells the others, so all ranks leave the loop together (a rank leaving
+    alone would leave its peers waiting in the next collective). Without a file (no live dashboard): no-op."""
+
+    def __init__(self, stop_file: str | None, device: torch.device) -> None:
+        self.stop_file, self.device = stop_file, device
+
+    def requested(self) -> bool:
+        if self.stop_file is None:
+            return False
+        flag = torch.tensor([1.0 if comm.group_rank() == 0 and Path(self.stop_file).exists() else 0.0],
+                            device=self.device)
+        if comm.is_distributed():
+            comm.all_reduce(flag, op="max", tag="control")
+        return bool(flag.item() > 0)
+
+
+def _streamed(metrics: dict[str, Any]) -> dict[str, Any]:
+    """What a rank streams to the caller after each step (``launch.report``): the step's metrics, this rank's
+    ledger peaks by category and the bytes each collective moved since the last step (for a live dashboard)."""
+    tracer = trace.current()
+    if tracer is None:
+        return metrics
+    return {**metrics, "rank": tracer.trace.rank, "attempt": restart_count(), "memory_peak": dict(tracer.memory.peak),
+            "comm_bytes": tracer.take_comm_totals()}
 
 
 def _device_name(device: torch.device) -> str:

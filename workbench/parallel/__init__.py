@@ -3,10 +3,17 @@
 Strategy files (``ddp``, ``zero``, ``collectives``...) never import each other; this composer applies
 them to a plain model from outside (torchtitan's shape) and hands the training loop one uniform
 ``Parallelized`` object, so the loop has no ``if zero == 3`` branches.
+
+Mixed precision (``workbench.precision``; Micikevicius et al. 2018) is applied here too, to every strategy:
+forward runs under ``torch.autocast`` to the compute dtype with the fp32 parameters as the masters (ZeRO-3
+instead gathers its fp32 shards cast to the compute dtype, FSDP2's policy), the loss stays fp32, and with fp16
+the loss is scaled before backward; ``Parallelized.optimizer_step`` then unscales the gradients this rank
+holds, agrees on inf/NaN over the whole mesh, clips and steps or skips.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -16,6 +23,8 @@ import torch
 from torch import nn
 
 from workbench import trace
+from workbench.precision import DynamicLossScaler, PrecisionPolicy, policy_from_names
+from workbench.precision import autocast as precision_autocast
 from workbench.recompute import apply_recompute
 from workbench.recompute import check_mode as check_recompute_mode
 
@@ -38,6 +47,10 @@ class ParallelConfig:
     microbatches: int = 4  # the pipeline's micro-batches per step
     virtual_stages: int = 1  # stages per rank (interleaved schedule)
     recompute: str = "none"  # activation recomputation (workbench.recompute): none, selective, full
+    precision: str = "fp32"  # compute dtype (workbench.precision): fp32, bf16, fp16 (fp16 adds a loss scaler)
+    reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32, or the compute dtype (ZeRO-3 only)
+    init_loss_scale: float = 2.0 ** 16  # fp16's DynamicLossScaler: first scale and clean steps between growths
+    loss_scale_growth_interval: int = 2000
 
 
 @dataclass
@@ -57,6 +70,36 @@ class Parallelized:
     #: gradient accumulation over ``grad_accum`` micro-batches (``_micro_batched``). So the loop has no
     #: ``if pp`` branch.
     forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    #: fp16's dynamic loss scaler (None in fp32/bf16): the trainer checkpoints its ``state_dict``.
+    scaler: DynamicLossScaler | None = None
+    #: ``unscale_grads(factor) -> grads``: multiply the gradients this rank holds after ``finish_grad_sync``
+    #: (``p.grad`` of a replicated model, ZeRO-2/3's gradient shards) by ``factor`` and return them.
+    unscale_grads: Callable[[float], list[torch.Tensor]] | None = None
+    device: torch.device | None = None  # where the inf/NaN flag is born (the rank's device)
+
+    def optimizer_step(self, max_norm: float) -> dict[str, Any]:
+        """After ``finish_grad_sync``: clip to ``max_norm`` and step, the same call for every strategy.
+
+        With a loss scaler (fp16), first unscale this rank's gradients and agree with every rank of the world
+        (one all-reduce MAX, tag "amp") whether any holds an inf/NaN; if so, skip the step on every rank, zero
+        the gradients and back the scale off (a rank stepping alone would leave the replicas different).
+        Returns ``{"grad_norm", "skipped", "loss_scale"}``: the norm before clipping (NaN when skipped: there
+        is no finite norm) and the scale this step's backward used."""
+        scale = 1.0
+        if self.scaler is not None:
+            scale = self.scaler.scale_value
+            grads = self._unscale(1.0 / scale)
+            if not self.scaler.update(self.scaler.found_inf(grads, (None,), device=self.device)):
+                self.optimizer.zero_grad(set_to_none=True)
+                return {"grad_norm": math.nan, "skipped": True, "loss_scale": scale}
+        grad_norm = float(self.clip_grad_norm(max_norm))
+        self.optimizer.step()
+        return {"grad_norm": grad_norm, "skipped": False, "loss_scale": scale}
+
+    def _unscale(self, factor: float) -> list[torch.Tensor]:
+        if self.unscale_grads is not None:
+            return self.unscale_grads(factor)
+        return _unscale_replicated(self.model)(factor)
 
 
 def _optimizer_kwargs(cfg: ParallelConfig) -> dict[str, Any]:
@@ -74,6 +117,61 @@ def _record_replicated_memory(model: nn.Module, optimizer: torch.optim.Optimizer
     trace.ledger_set("gradients", trace.tensor_bytes(p.grad for p in params if p.grad is not None))
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     trace.ledger_set("optimizer_state", trace.tensor_bytes(state))
+
+
+def _unscale_replicated(model: nn.Module) -> Callable[[float], list[torch.Tensor]]:
+    """A replicated model's (or a ZeRO-1 rank's, before its optimizer slices them) averaged ``.grad``."""
+
+    @torch.no_grad()
+    def unscale(factor: float) -> list[torch.Tensor]:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for g in grads:
+            g.mul_(factor)
+        return grads
+
+    return unscale
+
+
+@dataclass(frozen=True)
+class _Precision:
+    """What ``parallelize`` applies of a ``PrecisionPolicy``: autocast around forward (not for ZeRO-3 with a
+    policy, whose units compute in the gathered low-precision parameters) and fp16's loss scaling."""
+
+    policy: PrecisionPolicy
+    scaler: DynamicLossScaler | None
+    device_type: str
+    autocast_forward: bool = True
+
+    def autocast(self) -> AbstractContextManager:
+        return precision_autocast(self.policy, self.device_type) if self.autocast_forward else nullcontext()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def loss_scale(self) -> float:
+        return 1.0 if self.scaler is None else self.scaler.scale_value
+
+
+def _precision(mesh: Any, cfg: ParallelConfig) -> _Precision:
+    """The run's policy and scaler; reducing gradients in the compute dtype is refused where no strategy does it."""
+    policy = policy_from_names(cfg.precision, cfg.reduce_dtype)
+    if policy.reduce_dtype != torch.float32 and (cfg.zero != 3 or mesh.pp_size > 1):
+        raise ValueError(f"reduce_dtype={cfg.reduce_dtype!r} needs zero=3 (FullyShardedModel reduce-scatters in its "
+                         f"policy's reduce_dtype); got zero={cfg.zero}, pp={mesh.pp_size}. Other strategies reduce "
+                         f"the fp32 master gradients autocast leaves in .grad: use reduce_dtype='fp32'")
+    scaler = None
+    if policy.needs_scaler:
+        scaler = DynamicLossScaler(init_scale=cfg.init_loss_scale, growth_interval=cfg.loss_scale_growth_interval,
+                                   max_scale=max(2.0 ** 24, cfg.init_loss_scale))
+    sharded_policy = cfg.zero == 3 and mesh.pp_size == 1
+    return _Precision(policy, scaler, torch.device(mesh.device).type, autocast_forward=not sharded_policy)
+
+
+
+
+def _mp_policy(amp: _Precision) -> Any:
+    """ZeRO-3's FSDP2-style policy, or None in fp32 (the sharded model then runs exactly as without one)."""
+    return None if amp.policy.name == "fp32" else amp.policy.sharded()
 
 
 def _clip_replicated(model: nn.Module) -> Callable[[float], float]:
@@ -97,16 +195,20 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     if cfg.sp and mesh.tp_size == 1:
         raise ValueError("sequence parallelism needs tp > 1: it shards the sequence over the tp ranks; "
                          "set tp >= 2 or turn sp off")
+    amp = _precision(mesh, cfg)
     if mesh.pp_size > 1:
-        return _with_pipeline(model, mesh, cfg)
-    if mesh.tp_size > 1:
-        strategy = _with_tensor_parallel(model, mesh, cfg)
+        strategy = _with_pipeline(model, mesh, cfg, amp)
     else:
-        strategy = _data_parallel(apply_recompute(model, cfg.recompute), mesh, cfg)
-    return replace(strategy, forward_backward=_micro_batched(strategy, cfg.grad_accum))
+        if mesh.tp_size > 1:
+            strategy = _with_tensor_parallel(model, mesh, cfg, amp)
+        else:
+            strategy = _data_parallel(apply_recompute(model, cfg.recompute), mesh, cfg, amp)
+        strategy = replace(strategy, forward_backward=_micro_batched(strategy, cfg.grad_accum, amp))
+    return replace(strategy, scaler=amp.scaler, device=mesh.device)
 
 
-def _micro_batched(s: Parallelized, grad_accum: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _micro_batched(s: Parallelized, grad_accum: int,
+                   amp: _Precision) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Gradient accumulation: ``grad_accum`` forward/backward passes, all but the last inside ``no_sync``
     (only the last backward synchronises); each loss scaled by 1/grad_accum so the sum is the batch mean."""
 
@@ -115,19 +217,23 @@ def _micro_batched(s: Parallelized, grad_accum: int) -> Callable[[torch.Tensor, 
         pieces = zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)
         for i, (xm, ym) in enumerate(pieces):
             with s.no_sync() if i < grad_accum - 1 else nullcontext():
-                total += _forward_then_backward(s.model, xm, ym, grad_accum)
+                total += _forward_then_backward(s.model, xm, ym, grad_accum, amp)
         return total
 
     return forward_backward
 
 
-def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: int) -> torch.Tensor:
-    """One pass, traced: spans for forward and backward, saved activations counted into the ledger."""
+def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: int,
+                           amp: _Precision) -> torch.Tensor:
+    """One pass, traced: spans for forward and backward, saved activations counted into the ledger. Forward
+    runs under the policy's autocast (the model returns an fp32 loss); backward starts from the loss times
+    fp16's loss scale (no-ops in fp32)."""
     tracer = trace.current()
     with trace.span("forward", "forward"), tracer.activations() if tracer is not None else nullcontext():
-        loss = model(x, y) / scale
+        with amp.autocast():
+            loss = model(x, y) / scale
     with trace.span("backward", "backward"):
-        loss.backward()
+        amp.scale(loss).backward()
     if tracer is not None:
         tracer.release_activations()
     return loss.detach()
@@ -143,7 +249,7 @@ PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1 (ZeRO-2/3 would
                     "with or without sp); grad_accum=1 (the micro-batches are the accumulation)")
 
 
-def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
     """3D: tensor parallelism inside each layer first, then the layers cut into pipeline stages, then data
     parallelism over the stages (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
     Clusters Using Megatron-LM", §2.3). The pipeline owns forward and backward over its micro-batches; each
@@ -159,7 +265,8 @@ def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallel
     tp = _tensor_parallel_for_pipeline(model, mesh, cfg.sp)
     apply_recompute(model, cfg.recompute)  # on the whole model's blocks, before the cut into stages
     pipe = pipeline.Pipeline(model, mesh.pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages,
-                             loss_fn=tp["loss_fn"], seq_shards=mesh.tp_size if cfg.sp else 1)
+                             loss_fn=tp["loss_fn"], seq_shards=mesh.tp_size if cfg.sp else 1,
+                             autocast=amp.autocast, loss_scale=amp.loss_scale if amp.scaler is not None else None)
     dp = FlatDDP(pipe.module, group=mesh.dp_group) if mesh.dp_size > 1 else None
     optimizer, record = _stage_optimizer(pipe, mesh, cfg)
     what = (f"PP={mesh.pp_size} {cfg.schedule} m={cfg.microbatches}"
@@ -178,7 +285,8 @@ def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallel
         tp["sum_partial_grads"](pipe.module)
 
     return Parallelized(pipe.module, optimizer, nullcontext, finish, clip, lambda: pipe.full_parameters(tp["full"]),
-                        record, what, forward_backward=pipe.forward_backward)
+                        record, what, forward_backward=pipe.forward_backward,
+                        unscale_grads=_unscale_replicated(pipe.module))
 
 
 def _tensor_parallel_for_pipeline(model: nn.Module, mesh: Any, sp: bool) -> dict[str, Any]:
@@ -213,17 +321,17 @@ def _stage_optimizer(pipe: Any, mesh: Any, cfg: ParallelConfig) -> tuple[Any, Ca
     return optimizer, lambda: _record_replicated_memory(pipe.module, optimizer)
 
 
-def _data_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+def _data_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
     if mesh.dp_size == 1 and cfg.zero == 0:
         return _single(model, cfg)
     if cfg.zero in (0, 1):
         return _ddp(model, mesh, cfg)
     if cfg.zero == 2:
         return _zero2(model, mesh, cfg)
-    return _zero3(model, mesh, cfg)
+    return _zero3(model, mesh, cfg, amp)
 
 
-def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
     """TP inside, DP/ZeRO-1 outside (Megatron's order: tp groups are the fastest-varying ranks). The data
     parallel wrapper sees this rank's shards as ordinary parameters; clipping and the full parameters need
     the tp group, so those two come from ``tensor``. With ``cfg.sp`` the same plan is applied with sequence
@@ -236,12 +344,12 @@ def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> P
     (sequence.apply_sequence_parallel if cfg.sp else tensor.apply_tensor_parallel)(model, mesh)
     apply_recompute(model, cfg.recompute)  # after the split (the regions call the split layers), before DP
     if cfg.zero == 3:
-        return _zero3_tensor_parallel(model, mesh, cfg)
+        return _zero3_tensor_parallel(model, mesh, cfg, amp)
     if cfg.zero == 2:  # gradients live only as dp shards: the optimizer clips and sums SP's partials itself
         inner = _zero2(model, mesh, cfg, _tensor_parallel_param_groups(model, mesh), (mesh.tp_group,))
         finish, clip = inner.finish_grad_sync, inner.clip_grad_norm
     else:
-        inner = _data_parallel(model, mesh, cfg)
+        inner = _data_parallel(model, mesh, cfg, amp)
         finish = inner.finish_grad_sync
         if cfg.sp:  # sum the sequence-sharded parameters' partial gradients over tp once the dp sync is done
             finish = lambda: (inner.finish_grad_sync(), sequence.all_reduce_sequence_parallel_grads(model, mesh))  # noqa: E731
@@ -252,7 +360,7 @@ def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> P
                    describe=f"TP={mesh.tp_size}{' + SP' if cfg.sp else ''} + {inner.describe}")
 
 
-def _zero3_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+def _zero3_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
     """FSDP over dp of a TP model: each unit's tp-local parameters sharded over dp. Clipping weighs each
     segment of a shard by its tp share; SP's partial gradients are summed over tp on their shard segments."""
     from workbench.parallel import sequence, tensor
@@ -260,14 +368,15 @@ def _zero3_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> 
 
     shares = tensor.norm_weights(model, mesh)  # by the original names: read before the wrapper re-homes them
     partial = [n for n, _ in sequence.sequence_parallel_parameters(model)]
-    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload)
+    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload, mp_policy=_mp_policy(amp))
     sharded.set_norm_shares(shares)
     optimizer = ZeroOptimizer(sharded.parameters(), torch.optim.AdamW, group=mesh.dp_group, stage=3,
                               offload=cfg.offload, model_parallel_groups=(mesh.tp_group,), **_optimizer_kwargs(cfg))
     finish = lambda: sharded.sum_partial_grads(partial, mesh.tp_group, sequence.SP_GRAD_TAG)  # noqa: E731
     what = f"TP={mesh.tp_size}{' + SP' if cfg.sp else ''} + ZeRO-3" + (" + offload" if cfg.offload else "")
     return Parallelized(sharded, optimizer, sharded.no_sync, finish, optimizer.clip_grad_norm_,
-                        lambda: tensor.gather_full(model, sharded.full_parameters(), mesh), lambda: None, what)
+                        lambda: tensor.gather_full(model, sharded.full_parameters(), mesh), lambda: None, what,
+                        unscale_grads=optimizer.unscale_grads_)
 
 
 def _tensor_parallel_param_groups(model: nn.Module, mesh: Any) -> list[dict[str, Any]]:
@@ -325,15 +434,15 @@ def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig, param_groups: list[
     broadcast_module_state(model, mesh.dp_group)  # no wrapper does it at stage 2: start every replica alike
     return Parallelized(model, optimizer, optimizer.no_sync, optimizer.finish_gradient_synchronization,
                         optimizer.clip_grad_norm_, lambda: _named_trainable(model), lambda: None,
-                        "ZeRO-2" + (" + offload" if cfg.offload else ""))
+                        "ZeRO-2" + (" + offload" if cfg.offload else ""), unscale_grads=optimizer.unscale_grads_)
 
 
-def _zero3(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+def _zero3(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
     from workbench.parallel.zero import FullyShardedModel, ZeroOptimizer
 
-    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload)
+    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload, mp_policy=_mp_policy(amp))
     optimizer = ZeroOptimizer(sharded.parameters(), torch.optim.AdamW, group=mesh.dp_group, stage=3,
                               offload=cfg.offload, **_optimizer_kwargs(cfg))
     return Parallelized(sharded, optimizer, sharded.no_sync, sharded.finish_gradient_synchronization,
                         optimizer.clip_grad_norm_, sharded.full_parameters, lambda: None,
-                        "ZeRO-3" + (" + offload" if cfg.offload else ""))
+                        "ZeRO-3" + (" + offload" if cfg.offload else ""), unscale_grads=optimizer.unscale_grads_)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,7 +298,9 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, group: Any = None, schedule: str = "1f1b", microbatches: int = 4,
                  virtual_stages: int = 1, loss_fn: Callable[..., torch.Tensor] | None = None,
-                 seq_shards: int = 1, plan: theory.Plan | None = None) -> None:
+                 seq_shards: int = 1, plan: theory.Plan | None = None,
+                 autocast: Callable[[], AbstractContextManager] | None = None,
+                 loss_scale: Callable[[], float] | None = None) -> None:
         """``loss_fn(logits, targets, total_tokens)`` is the last stage's loss (default ``stage_loss``; a
         tensor-parallel model passes its vocab-parallel loss, its head giving this rank's vocab slice).
         ``seq_shards``: the hidden state between stages holds seq_len/seq_shards positions (sequence
@@ -306,9 +308,14 @@ class Pipeline:
         the p2p volume drops by tp, Megatron-LM's scatter/gather across stages, Narayanan et al. 2021 §4.1).
         ``plan``: a hand-written plan (every rank's action list, one stage per rank and ``microbatches``
         micro-batches) to run instead of ``schedule``'s; it is checked (``check_plan``, then ``simulate``,
-        which names the actions a deadlocking order would wait on) before anything runs."""
+        which names the actions a deadlocking order would wait on) before anything runs.
+        Mixed precision (``workbench.precision``): ``autocast()`` is entered around each forward action (the
+        stage and, on the last, its fp32 loss), and the last stage calls backward on its micro-batch's loss
+        times ``loss_scale()`` (fp16's loss scaling); messages between stages keep the parameters' dtype."""
         p, rank = comm.group_size(group), comm.group_rank(group)
         self.loss_fn = loss_fn or stage_loss
+        self.autocast = autocast or nullcontext
+        self.loss_scale = loss_scale
         if plan is None:
             plan = theory.make_plan(schedule, p, microbatches, virtual_stages, model.cfg.n_layer)
         else:
@@ -432,7 +439,7 @@ class Pipeline:
     def _forward(self, a: Action, st: _StepState) -> None:
         s, mb = a.stage, a.microbatch
         x = st.idx[mb] if s == 0 else st.inbox.pop(Action(s, "RECV_F", mb)).requires_grad_()
-        with self.meter.saving(s, mb):
+        with self.meter.saving(s, mb), self.autocast():
             out = self.module(x, s)
             if s == self.last_stage:
                 out = self.loss_fn(out, st.targets[mb], st.total_tokens)
@@ -440,13 +447,21 @@ class Pipeline:
         st.inputs[(s, mb)], st.outputs[(s, mb)] = x, out
         st.in_flight += 1
         st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
-        self._deliver(a, out.detach(), st)
+        # Under autocast a stage may emit a low-precision hidden state; the receiver's buffer has the parameters'
+        # dtype (``_post_recv``), so the message is cast to it (a no-op in fp32, and for the GPT, whose residual
+        # stream stays fp32 under autocast).
+        self._deliver(a, out.detach().to(self._dtype()), st)
 
     def _backward(self, a: Action, st: _StepState) -> None:
         """B: the full backward. I: the same pass with the linear layers' weight gradients deferred to W."""
         s, mb = a.stage, a.microbatch
         x, out = st.inputs.pop((s, mb)), st.outputs.pop((s, mb))
-        grad = None if s == self.last_stage else st.inbox.pop(Action(s, "RECV_B", mb))
+        if s == self.last_stage:
+            grad = None
+            if self.loss_scale is not None:  # fp16: backward of the scaled loss (the reported loss is unscaled)
+                out = out * self.loss_scale()
+        else:
+            grad = st.inbox.pop(Action(s, "RECV_B", mb)).to(out.dtype)
         if a.kind == "I":
             with self.store.deferring() as stored:
                 torch.autograd.backward(out, grad)

@@ -173,6 +173,9 @@ class LinearWithSequenceGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         shard, weight = ctx.saved_tensors
         total = ctx.region.regathered(shard, ctx.shared)  # [b, s, in]
+        # Under autocast the forward's matmul ran in the compute dtype and so does this backward (autocast does not
+        # reach a custom backward); autograd casts each returned gradient back to its input's dtype. No-op in fp32.
+        total, weight = total.to(grad.dtype), weight.to(grad.dtype)
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [b·s, out/t]
         grad_weight = grad_2d.t() @ total.reshape(-1, total.shape[-1])  # [out/t, in]
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None

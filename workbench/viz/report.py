@@ -1,23 +1,62 @@
-"""The run report: one self-contained HTML page (works offline) with the loss curve and the timeline."""
+"""The run report: one self-contained HTML page (works offline: plotly.js inlined once) with the run's
+configuration, the loss curve (checkpoint saves and restarts marked), the per-rank timeline, memory by category
+per rank beside theory's prediction, communication per traced step by mesh axis and collective beside theory's
+bytes, and for pipeline runs the bubble (plan beside measurement).
+
+Theory comes from ``workbench.theory`` (pure Python) for the run's own layout, so every measured number sits
+next to what the ZeRO paper (Rajbhandari et al. 2020), Megatron-LM (Shoeybi et al. 2019), Korthikanti et al.
+2022 and the pipeline schedules predict; where they differ the report prints both and the difference. The
+numbers behind the tables are also embedded as JSON (``<script id="workbench-report-data">``) for tests and
+tools. Presentation only: reads summary.json and the traces' plain records, never torch.distributed.
+"""
 
 from __future__ import annotations
 
 import html
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
 
+from workbench.theory.comm import sp_grad_collectives, sp_vocab_collectives, tp_vocab_collectives
+from workbench.theory.memory import gpt_activation_bytes, gpt_block_activation_bytes
+from workbench.theory.models import gpt_param_count
+from workbench.theory.parallelism import Layout, layout_comm, layout_memory
 from workbench.trace import Trace
 from workbench.viz.timeline import comm_table, steps_only, timeline
 
 
-def loss_curve(history: Sequence[dict[str, Any]], title: str = "global-batch loss per step") -> go.Figure:
+def loss_curve(history: Sequence[dict[str, Any]], title: str = "global-batch loss per step",
+               checkpoint_steps: Sequence[int] = (), restarts: Sequence[dict[str, Any]] = ()) -> go.Figure:
+    """The loss per step; ``checkpoint_steps`` (summary["checkpoint"]["written_steps"]) marked as saves, and each
+    restart (summary["restarts"]: attempt, reason, and ``at_step`` or else ``last_step_done``) as a dashed line."""
     steps = [m["step"] for m in history]
+    loss_at = {m["step"]: m["loss"] for m in history}
     fig = go.Figure(go.Scatter(x=steps, y=[m["loss"] for m in history], mode="lines+markers", name="loss"))
+    saved = [s for s in checkpoint_steps if s in loss_at]
+    if saved:
+        fig.add_trace(go.Scatter(x=saved, y=[loss_at[s] for s in saved], mode="markers", name="checkpoint saved",
+                                 marker={"symbol": "diamond", "size": 11, "color": "#54A24B"},
+                                 hovertemplate="checkpoint saved after step %{x}<extra></extra>"))
+    for r in restarts:
+        at = _restart_step(r)
+        if at is None:
+            continue
+        fig.add_vline(x=at, line_dash="dash", line_color="#E45756")
+        fig.add_trace(go.Scatter(x=[at], y=[loss_at.get(at, min(loss_at.values(), default=0.0))], mode="markers",
+                                 name=f"restart {r.get('attempt', '?')} at step {at}",
+                                 marker={"symbol": "x", "size": 12, "color": "#E45756"},
+                                 hovertext=[str(r.get("reason", ""))], hoverinfo="text+name"))
     fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", height=350)
     return fig
+
+
+def _restart_step(restart: dict[str, Any]) -> int | None:
+    """The step a restart is drawn at: ``at_step`` where the log has it, else the last step its attempt finished."""
+    at = restart.get("at_step")
+    return restart.get("last_step_done") if at is None else at
 
 
 def metric_curves(history: Sequence[dict[str, Any]]) -> go.Figure:
@@ -32,9 +71,9 @@ def metric_curves(history: Sequence[dict[str, Any]]) -> go.Figure:
     return fig
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+def _table(rows: list[dict[str, Any]], empty: str = "(no communication recorded)") -> str:
     if not rows:
-        return "<p>(no communication recorded)</p>"
+        return f"<p>{html.escape(empty)}</p>"
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
     body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row.values()) + "</tr>" for row in rows)
     return f"<table border=1 cellpadding=4 style='border-collapse:collapse'><tr>{head}</tr>{body}</table>"
@@ -45,11 +84,16 @@ def _fmt(v: Any) -> str:
 
 
 def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Trace | dict]) -> Path:
-    """Write ``report.html``: summary, loss and metric curves, measured per-rank timeline, comm table."""
+    """Write ``report.html``: summary and configuration, loss (checkpoints, restarts) and metric curves, the
+    measured per-rank timeline, the pipeline bubble, communication and memory each beside theory."""
     path = Path(path)
+    traces = [_trace(t) for t in traces]
     history = summary["history"]
-    last_traced = max((c.step for t in traces for c in _trace(t).comms if c.step is not None), default=None)
-    figures = [loss_curve(history), metric_curves(history),
+    last_traced = max((c.step for t in traces for c in t.comms if c.step is not None), default=None)
+    checkpoint = summary.get("checkpoint") or {}
+    figures = [loss_curve(history, checkpoint_steps=checkpoint.get("written_steps") or (),
+                          restarts=summary.get("restarts") or ()),
+               metric_curves(history),
                timeline([steps_only(t) for t in traces],
                         title=f"per-rank timeline of the last traced steps ({summary['strategy']})")]
     parts = [f"<h1>workbench run: {html.escape(summary['strategy'])}</h1>",
@@ -61,8 +105,9 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
         where = summary["placement"]
         parts.append(f"<p>ranks ran on {html.escape(where['device_name'])} ({html.escape(where['device'])} on rank 0, "
                      f"backend {html.escape(where['backend'])}).</p>")
+    parts += checkpoint_sentences(summary)
     for i, fig in enumerate(figures):
-        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
+        parts.append(figure_html(fig, with_plotlyjs=(i == 0)))
     if summary.get("mesh"):
         parts.append("<p>mesh: " + " x ".join(f"{html.escape(str(k))}={v}" for k, v in summary["mesh"].items())
                      + "</p>")
@@ -70,10 +115,371 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
         parts += pipeline_section(summary, traces)
     parts.append(f"<h2>communication in step {last_traced} (from the log)</h2>")
     parts.append(_table(comm_table(traces, step=last_traced, group_labels=summary.get("comm_groups"))))
-    parts += memory_section([_trace(t) for t in traces])
+    comm = comm_vs_theory(summary, traces)
+    parts += comm_section(comm)
+    parts += memory_section(traces)
+    memory = memory_vs_theory(summary, traces)
+    parts += memory_theory_section(memory)
+    parts += config_section(summary)
+    data = {"memory_vs_theory": memory, "comm_vs_theory": comm, "config": summary.get("config", {})}
+    parts.append(embedded_json("workbench-report-data", data))
     path.write_text("<html><head><meta charset='utf-8'><title>workbench report</title></head><body>"
                     + "\n".join(parts) + "</body></html>")
     return path
+
+
+#: A small template for every figure of the report: plotly's default template is ~7 KB of JSON per figure, and a
+#: report must stay under 5 MB with plotly.js (4.8 MB) inlined once.
+_COMPACT = go.layout.Template(layout={"colorway": ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3",
+                                                   "#FF6692", "#B6E880", "#FF97FF", "#FECB52"],
+                                      "plot_bgcolor": "#F4F6FA", "hovermode": "closest"})
+
+
+def figure_html(fig: go.Figure, with_plotlyjs: bool = False) -> str:
+    """A figure as an HTML fragment with the compact template; plotly.js inlined only where asked (once)."""
+    fig.update_layout(template=_COMPACT)
+    return fig.to_html(full_html=False, include_plotlyjs=with_plotlyjs)
+
+
+def embedded_json(element_id: str, data: Any) -> str:
+    """The report's numbers as JSON in a non-executed script element (``</`` escaped so it cannot close it)."""
+    text = json.dumps(data, default=str).replace("</", "<\\/")
+    return f"<script type='application/json' id='{element_id}'>{text}</script>"
+
+
+def read_embedded_json(page: str, element_id: str = "workbench-report-data") -> Any:
+    """The JSON a report embedded with ``embedded_json`` (for tests and tools reading a written report)."""
+    start = page.index(f"id='{element_id}'>") + len(f"id='{element_id}'>")
+    return json.loads(page[start:page.index("</script>", start)])  # JSON reads the escaped "<\/" as "</"
+
+
+def checkpoint_sentences(summary: dict[str, Any]) -> list[str]:
+    """Where checkpoints were saved and when the run restarted (both also marked on the loss curve)."""
+    parts = []
+    ckpt = summary.get("checkpoint") or {}
+    if ckpt.get("written_steps"):
+        steps = ", ".join(str(s) for s in ckpt["written_steps"])
+        parts.append(f"<p>checkpoints saved after step(s) {steps} in <code>{html.escape(str(ckpt.get('dir')))}"
+                     f"</code> (diamonds on the loss curve)"
+                     + (f"; the run resumed from the checkpoint of step {ckpt['resumed_from_step']}"
+                        if ckpt.get("resumed_from_step") is not None else "") + ".</p>")
+    restarts = summary.get("restarts") or []
+    if restarts:
+        rows = [{"attempt": r.get("attempt"), "at step": _restart_step(r), "rank": r.get("rank", ""),
+                 "reason": r.get("reason", "")} for r in restarts]
+        parts += ["<h3>restarts (dashed lines on the loss curve)</h3>", _table(rows)]
+    return parts
+
+
+def config_section(summary: dict[str, Any]) -> list[str]:
+    """The run's configuration (summary.json's ``config``) as a two-column table."""
+    config = summary.get("config") or {}
+    rows = [{"setting": k, "value": json.dumps(v) if isinstance(v, dict | list) else v} for k, v in config.items()]
+    return ["<h2>configuration</h2>", _table(rows, empty="(no configuration recorded)")]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Theory for the run's own layout.
+
+#: Ledger categories theory has no formula for: communication staging buffers (bucket sizes are an
+#: implementation choice) and ZeRO-3's transiently gathered units (how many are alive depends on prefetching).
+UNMODELLED_MEMORY = ("comm_buffers", "gathered_params")
+
+
+def model_shape(config: dict[str, Any], n_params: int | None = None) -> dict[str, Any] | None:
+    """The run's GPT as a theory model dict (``theory.models``' "gpt" arch), or None where it cannot be known.
+
+    summary.json names the preset, not its sizes, so they are read from the model's preset table; the models
+    package imports torch but never torch.distributed. The count must reproduce the run's ``n_params`` exactly,
+    else theory would describe another model and None is returned."""
+    try:
+        from workbench.models.gpt import GPTConfig
+
+        overrides = {"seq_len": config["seq_len"]} if config.get("seq_len") else {}
+        g = GPTConfig.preset(config["model"], **overrides)
+    except (ImportError, KeyError, ValueError, TypeError):
+        return None
+    shape = {"n_layer": g.n_layer, "d_model": g.d_model, "n_head": g.n_head, "vocab_size": g.vocab_size,
+             "seq_len": g.seq_len, "dropout": False, "exact": True, "arch": "gpt",
+             "n_params": gpt_param_count(g.n_layer, g.d_model, g.vocab_size, g.seq_len, g.mlp_ratio,
+                                         g.tie_embeddings)}
+    if g.mlp_ratio != 4 or (n_params is not None and shape["n_params"] != n_params):
+        return None
+    return shape
+
+
+def run_layout(config: dict[str, Any]) -> tuple[Layout, int]:
+    """The run's flags as a ``theory.parallelism.Layout`` and the micro-batch each rank runs (sequences).
+
+    With pp = 1 the layout's micro-batches are the gradient-accumulation steps (theory's convention)."""
+    pp = config.get("pp", 1)
+    m = (config.get("microbatches") or 1) if pp > 1 else config.get("grad_accum", 1)
+    layout = Layout(dp=config["dp"], tp=config.get("tp", 1), pp=pp, sp=bool(config.get("sp")),
+                    zero_stage=config.get("zero", 0), schedule=config.get("schedule", "1f1b"), microbatches=m,
+                    virtual_stages=config.get("virtual_stages", 1), offload=bool(config.get("offload")))
+    return layout, max(1, config["batch_size"] // (layout.dp * m))
+
+
+def axis_coordinate(groups: Sequence[dict[str, Any]] | None, rank: int, axis: str) -> int:
+    """A rank's index along ``axis``, from summary.json's ``comm_groups`` (0 where the axis has one rank)."""
+    for g in groups or ():
+        if g["axis"] == axis and rank in g["ranks"] and len(g["ranks"]) > 1:
+            return sorted(g["ranks"]).index(rank)
+    return 0
+
+
+def _theory_setup(summary: dict[str, Any]) -> tuple[dict[str, Any], Layout, int, int] | str:
+    """(shape, layout, micro-batch, seq_len) for the run, or a sentence saying why theory cannot be applied."""
+    config = summary.get("config") or {}
+    shape = model_shape(config, summary.get("n_params"))
+    if shape is None:
+        return f"model {config.get('model')!r} has no exact theory shape here (its parameter count is not ours)"
+    try:
+        layout, micro = run_layout(config)
+        layout.validate(shape, shape["seq_len"])
+    except (KeyError, ValueError, TypeError) as exc:
+        return f"theory does not take this layout: {exc}"
+    return shape, layout, micro, shape["seq_len"]
+def _precision_notes(summary: dict[str, Any], what: str) -> list[str]:
+    """Why theory's fp32 figures may differ from a mixed-precision run (autocast: fp32 parameters, gradients and
+    AdamW state, so the model states stay theory's fp32 row; the activations autocast saves or sends are 16-bit
+    where the op ran in 16 bits)."""
+    config = summary.get("config") or {}
+    precision, reduce = config.get("precision", "fp32"), config.get("reduce_dtype", "fp32")
+    if precision == "fp32" and reduce == "fp32":
+        return []
+    if what == "memory":
+        return [f"This run computed in {precision} under autocast: parameters, gradients and optimizer state stay "
+                f"fp32 (theory's fp32 row applies), but saved activations are 16-bit where the op ran in "
+                f"{precision}; theory's activation figure assumes 4-byte values, so the ledger holds less."]
+    return [f"This run computed in {precision} (gradients reduced in {reduce}); theory counts 4-byte tensors, so "
+            f"the activations tp and pp move (and gradients reduced in 16 bits) weigh less than theory shows."]
+
+
+def _activation_theory(shape: dict[str, Any], layout: Layout, micro: int, seq: int, recompute: str,
+                       held_layers: int, korthikanti: float) -> tuple[float, str]:
+    """Theory's saved activations on one rank, and where the figure comes from.
+
+    Without recomputation the GPT-exact count (``gpt_activation_bytes``: Korthikanti et al. 2022 adapted to this
+    model's fused attention) is what the ledger's saved-tensor hooks measure; with pp > 1 its blocks times the
+    layer-micro-batches the schedule keeps alive (embedding, head and loss left out). With recomputation,
+    Korthikanti et al.'s per-layer estimate (blocks only) as ``layout_memory`` computes it."""
+    d, h = shape["d_model"], shape["n_head"]
+    if recompute != "none":
+        return korthikanti, f"Korthikanti et al. 2022 with recompute={recompute}, blocks only"
+    if layout.pp == 1:
+        total = gpt_activation_bytes(micro, seq, d, shape["n_layer"], h, shape["vocab_size"], layout.tp, layout.sp)
+        return total["total"], "gpt_activation_bytes: blocks, final norm and head, embedding and loss"
+    block = gpt_block_activation_bytes(micro, seq, d, h, layout.tp, layout.sp)
+    return held_layers * block, ("gpt_block_activation_bytes x the layer-micro-batches the schedule keeps alive on "
+                                 "the rank's stage (blocks only: embedding, head and loss not counted)")
+
+
+def _memory_theory_per_stage(setup: tuple[dict[str, Any], Layout, int, int],
+                             config: dict[str, Any]) -> tuple[list[dict[str, float]], str]:
+    """Theory's bytes per category for each pipeline rank (fp32 AdamW model states, activations as
+    ``_activation_theory``), and where the activation figure comes from."""
+    shape, layout, micro, seq = setup
+    recompute = config.get("recompute", "none")
+    mem = layout_memory(shape, layout, "fp32", "adamw", micro_batch=micro, seq_len=seq, recompute=recompute)
+    per_pp, source = [], ""
+    for info in mem["ranks"]:
+        states = dict(info["per_rank"])
+        states["activations"], source = _activation_theory(shape, layout, micro, seq, recompute,
+                                                           info["peak_held_layers"], states.get("activations", 0.0))
+        per_pp.append(states)
+    return per_pp, source
+
+
+def memory_vs_theory(summary: dict[str, Any], traces: Sequence[Trace]) -> dict[str, Any]:
+    """Per rank and ledger category: the measured peak (bytes) beside theory's prediction for the run's layout
+    (``theory.parallelism.layout_memory``: ZeRO paper §5.1 model states, fp32 AdamW; activations as
+    ``_activation_theory`` says). ``theory_bytes`` is None for the categories theory does not model."""
+    setup = _theory_setup(summary)
+    out: dict[str, Any] = {"available": not isinstance(setup, str), "why": setup if isinstance(setup, str) else "",
+                           "unmodelled": list(UNMODELLED_MEMORY), "activations_source": "", "rows": [],
+                           "notes": _precision_notes(summary, "memory")}
+    per_pp: list[dict[str, float]] = []
+    if not isinstance(setup, str):
+        try:
+            per_pp, out["activations_source"] = _memory_theory_per_stage(setup, summary["config"])
+        except ValueError as exc:  # a layout theory refuses: the measurement is still worth showing
+            out.update(available=False, why=f"theory does not take this layout: {exc}")
+    for t in sorted(traces, key=lambda t: t.rank):
+        theory = per_pp[axis_coordinate(summary.get("comm_groups"), t.rank, "pp")] if per_pp else {}
+        for category in _memory_categories(t.memory.peak, theory):
+            measured = int(t.memory.peak.get(category, 0))
+            predicted = None if category in UNMODELLED_MEMORY or not per_pp else float(theory.get(category, 0.0))
+            out["rows"].append({"rank": t.rank, "category": category, "measured_bytes": measured,
+                                "theory_bytes": predicted,
+                                "difference_bytes": None if predicted is None else measured - predicted})
+    return out
+
+
+def _memory_categories(*tables: dict[str, Any]) -> list[str]:
+    from workbench.trace import MEMORY_CATEGORIES
+
+    found = {c for table in tables for c in table}
+    return [c for c in MEMORY_CATEGORIES if c in found] + sorted(found - set(MEMORY_CATEGORIES))
+
+
+def memory_theory_section(memory: dict[str, Any]) -> list[str]:
+    """HTML: the per-rank, per-category table and a measured-beside-theory bar figure."""
+    from workbench.viz.memory import measured_vs_theory
+
+    parts = ["<h2>memory per rank by category: measured (ledger peaks) beside theory</h2>"]
+    if not memory["available"]:
+        parts.append(f"<p>Theory not shown: {html.escape(memory['why'])}.</p>")
+    else:
+        parts.append("<p>Theory: <code>workbench.theory.parallelism.layout_memory</code> for this run's layout "
+                     "(ZeRO paper §5.1, fp32 AdamW: 4Ψ parameters + 4Ψ gradients + 8Ψ optimizer state, sharded by "
+                     "the ZeRO stage, per pipeline stage and tp shard); activations: "
+                     f"{html.escape(memory['activations_source'])}. Not modelled by theory: "
+                     f"{', '.join(memory['unmodelled'])}. Each category's peak is its own maximum over the run, so "
+                     "the peaks need not occur at the same moment.</p>")
+    parts += [f"<p>{html.escape(note)}</p>" for note in memory.get("notes", [])]
+    rows = [{"rank": r["rank"], "category": r["category"], "measured (MiB)": r["measured_bytes"] / _MIB,
+             "theory (MiB)": "not modelled" if r["theory_bytes"] is None else r["theory_bytes"] / _MIB,
+             "measured - theory (KiB)": "" if r["difference_bytes"] is None else r["difference_bytes"] / 1024}
+            for r in memory["rows"]]
+    parts.append(_table(rows, empty="(no memory recorded)"))
+    if memory["available"] and memory["rows"]:
+        measured: dict[str, dict[str, float]] = {}
+        theory: dict[str, dict[str, float]] = {}
+        for r in memory["rows"]:
+            measured.setdefault(f"rank {r['rank']}", {})[r["category"]] = r["measured_bytes"]
+            if r["theory_bytes"] is not None:
+                theory.setdefault(f"rank {r['rank']}", {})[r["category"]] = r["theory_bytes"]
+        fig = measured_vs_theory(measured, theory, title="peak memory per rank: measured (ledger) vs theory")
+        fig.update_layout(height=420)
+        parts.append(figure_html(fig))
+    return parts
+
+
+def modelled_tags(layout: Layout) -> dict[str, set[str]]:
+    """The comm-log tags whose bytes theory predicts, per mesh axis; scalars (clip, metrics, the pipeline's loss
+    broadcast, AMP's agreement) and set-up traffic are not modelled."""
+    tp = {"tp", "sp"}
+    if layout.pp == 1:  # with pp > 1 the embedding/head/loss collectives sit on the first/last stage only
+        tp |= {"tp_vocab", "tp_loss", "sp_vocab", "sp_grads"}
+    return {"dp": {"grad", "param"}, "tp": tp, "pp": {"pp_act", "pp_grad", "pp_tied"}}
+
+
+def comm_theory(shape: dict[str, Any], layout: Layout, micro: int, seq: int, recompute: str) -> dict[str, float]:
+    """Bytes (summed tensor sizes S, what the log's ``nbytes`` adds up to) per ``"axis/op"`` for one step on the
+    busiest rank of each axis: ``layout_comm`` (dp: ZeRO paper §7.2; tp: Megatron's f/g per block, or SP's
+    gathers and reduce-scatters; pp: one activation and one gradient per micro-batch and boundary, the tied
+    embedding's gradient), plus with pp = 1 the vocab-parallel embedding, head and loss collectives and SP's
+    gradient all-reduce. A recv is theory's send seen from the receiving side."""
+    comm = layout_comm(shape, layout, "fp32", micro_batch=micro, seq_len=seq, recompute=recompute)
+    out: dict[str, float] = {}
+    for axis in ("dp", "tp", "pp"):
+        for op, size, count in comm[axis]["ops"]:
+            out[f"{axis}/{op}"] = out.get(f"{axis}/{op}", 0.0) + size * count
+    if layout.tp > 1 and layout.pp == 1:
+        vocab = (sp_vocab_collectives if layout.sp else tp_vocab_collectives)(micro, seq, shape["d_model"], 4)
+        extra = [c for phase in vocab.values() for c in phase] * layout.microbatches
+        if layout.sp:
+            extra += sp_grad_collectives(shape["d_model"], shape["n_layer"], seq, 4)
+        for op, size in extra:
+            out[f"tp/{op}"] = out.get(f"tp/{op}", 0.0) + size
+    if "pp/send" in out:
+        out["pp/recv"] = out["pp/send"]
+    return out
+
+
+def _measured_comm(traces: Sequence[Trace], groups: Sequence[dict[str, Any]] | None,
+                   step: int) -> dict[int, dict[tuple[str, str, str], int]]:
+    """Per rank: bytes of ``step`` per (axis, op, tag), the axis named from summary.json's ``comm_groups``."""
+    names = {tuple(sorted(g["ranks"])): g["axis"] for g in groups or ()}
+    out: dict[int, dict[tuple[str, str, str], int]] = {}
+    for t in traces:
+        per = out.setdefault(t.rank, {})
+        for c in t.comms:
+            if c.step == step:
+                key = (names.get(tuple(sorted(c.group)), str(list(c.group))), c.op, c.tag)
+                per[key] = per.get(key, 0) + c.nbytes
+    return out
+
+
+def comm_vs_theory(summary: dict[str, Any], traces: Sequence[Trace]) -> dict[str, Any]:
+    """Per traced step and (mesh axis, collective): the busiest rank's measured bytes beside theory's
+    (``comm_theory``), and, apart, the measured traffic theory does not model (by tag)."""
+    setup = _theory_setup(summary)
+    out: dict[str, Any] = {"available": not isinstance(setup, str), "why": setup if isinstance(setup, str) else "",
+                           "rows": [], "unmodelled": [], "notes": _precision_notes(summary, "comm")}
+    theory: dict[str, float] = {}
+    tags: dict[str, set[str]] = {}
+    if not isinstance(setup, str):
+        shape, layout, micro, seq = setup
+        try:
+            theory = comm_theory(shape, layout, micro, seq, summary["config"].get("recompute", "none"))
+            tags = modelled_tags(layout)
+        except ValueError as exc:  # a layout theory refuses: the measurement is still worth showing
+            out.update(available=False, why=f"theory does not take this layout: {exc}")
+    steps = sorted({c.step for t in traces for c in t.comms if c.step is not None})
+    for step in steps:
+        per_rank = _measured_comm(traces, summary.get("comm_groups"), step)
+        modelled: dict[str, dict[int, int]] = {}
+        other: dict[tuple[str, str, str], dict[int, int]] = {}
+        for rank, table in per_rank.items():
+            for (axis, op, tag), nbytes in table.items():
+                if tag in tags.get(axis, ()):
+                    by_rank = modelled.setdefault(f"{axis}/{op}", {})
+                    by_rank[rank] = by_rank.get(rank, 0) + nbytes
+                else:
+                    other.setdefault((axis, op, tag), {})[rank] = nbytes
+        for key in sorted(set(modelled) | set(theory)):
+            by_rank = modelled.get(key, {})
+            busiest = max(by_rank, key=lambda r: (by_rank[r], -r)) if by_rank else None
+            axis, op = key.split("/")
+            out["rows"].append({"step": step, "axis": axis, "op": op,
+                                "measured_bytes": by_rank.get(busiest, 0) if busiest is not None else 0,
+                                "busiest_rank": busiest, "theory_bytes": theory.get(key, 0.0) if tags else None})
+        for (axis, op, tag), by_rank in sorted(other.items()):
+            out["unmodelled"].append({"step": step, "axis": axis, "op": op, "tag": tag,
+                                      "measured_bytes": max(by_rank.values())})
+    return out
+
+
+def comm_section(comm: dict[str, Any]) -> list[str]:
+    """HTML: per traced step, bytes by mesh axis and collective, measured (busiest rank) beside theory; the
+    traffic theory leaves out; a bar figure of the last traced step."""
+    parts = ["<h2>communication per traced step by mesh axis and collective: measured beside theory</h2>"]
+    if not comm["available"]:
+        parts.append(f"<p>Theory not shown: {html.escape(comm['why'])}.</p>")
+    else:
+        parts.append("<p>Bytes are the summed tensor sizes S of each collective (a reduce-scatter's full input, an "
+                     "all-gather's full output, a message's size), on the rank that moved the most. Theory: "
+                     "<code>workbench.theory.parallelism.layout_comm</code> for this layout, fp32, plus the "
+                     "vocab-parallel embedding, head and loss (<code>theory.comm</code>) when pp = 1. Where a "
+                     "collective appears on one side only, the implementation uses another collective than "
+                     "theory's textbook one for that axis (the last column says which side moves more).</p>")
+    parts += [f"<p>{html.escape(note)}</p>" for note in comm.get("notes", [])]
+    rows = []
+    for r in comm["rows"]:
+        theory = r["theory_bytes"]
+        rows.append({"step": r["step"], "axis": r["axis"], "collective": r["op"],
+                     "measured (KiB)": r["measured_bytes"] / 1024,
+                     "on rank": "" if r["busiest_rank"] is None else r["busiest_rank"],
+                     "theory (KiB)": "n/a" if theory is None else theory / 1024,
+                     "measured - theory (KiB)": "" if theory is None else (r["measured_bytes"] - theory) / 1024})
+    parts.append(_table(rows, empty="(no traced step with communication)"))
+    if comm["unmodelled"]:
+        parts.append("<h3>measured, not modelled by theory (scalars and bookkeeping)</h3>")
+        parts.append(_table([{"step": u["step"], "axis": u["axis"], "collective": u["op"], "tag": u["tag"],
+                              "bytes (busiest rank)": u["measured_bytes"]} for u in comm["unmodelled"]]))
+    if comm["rows"]:
+        last = max(r["step"] for r in comm["rows"])
+        shown = [r for r in comm["rows"] if r["step"] == last]
+        x = [f"{r['axis']} {r['op']}" for r in shown]
+        fig = go.Figure([go.Bar(name="measured", x=x, y=[r["measured_bytes"] / 1024 for r in shown]),
+                         go.Bar(name="theory", x=x, y=[(r["theory_bytes"] or 0) / 1024 for r in shown],
+                                marker_pattern_shape="/")])
+        fig.update_layout(barmode="group", title=f"bytes per collective and axis in step {last}",
+                          yaxis_title="KiB", height=320)
+        parts.append(figure_html(fig))
+    return parts
 
 
 _MIB = 2**20
@@ -136,11 +542,34 @@ def pipeline_section(summary: dict[str, Any], traces: Sequence[Trace | dict]) ->
         last = steps[-1]
         fig = timeline([steps_only(t, [last]) for t in traces], labels=True, idle=True,
                        title=f"pipeline step {last}: F/B/I/W per micro-batch (mb), send/recv, idle")
-        parts.append(fig.to_html(full_html=False, include_plotlyjs=False))
+        parts.append(figure_html(fig))
+        parts += _plan_beside_measured(summary, [_trace(t) for t in traces], last)
     per_stage = pipe.get("peak_activation_bytes_per_stage") or []
     parts.append("<h3>peak activation memory per stage (ledger)</h3>")
     parts.append(_table([{"stage": i, "peak activations (MiB)": b / _MIB} for i, b in enumerate(per_stage)]))
     return parts
+
+
+def _plan_beside_measured(summary: dict[str, Any], traces: Sequence[Trace], step: int) -> list[str]:
+    """The schedule's plan (theory, ``viz.pipeline``) above what rank 0's pipeline (its pp group) did in ``step``."""
+    from workbench.theory.pipeline import make_plan
+    from workbench.viz.pipeline import plan_vs_measured
+
+    pipe, config = summary["pipeline"], summary.get("config", {})
+    p = summary.get("mesh", {}).get("pp", 1)
+    group = next((g["ranks"] for g in summary.get("comm_groups") or () if g["axis"] == "pp" and 0 in g["ranks"]),
+                 [t.rank for t in traces])
+    stages = [t for t in traces if t.rank in group]
+    try:
+        shape = model_shape(config, summary.get("n_params"))
+        plan = make_plan(pipe["schedule"], p, pipe["microbatches"], pipe.get("virtual_stages", 1),
+                         shape["n_layer"] if shape else None)
+        fig = plan_vs_measured(plan, stages, step, measured_bubble=pipe.get("bubble_measured"),
+                               title=f"the bubble: {pipe['schedule']} as planned (theory) and as run (step {step})")
+        fig.update_layout(height=max(600, 150 * len(stages) + 320))  # room between the two panels' titles
+    except ValueError as exc:  # a trace without action spans for that step
+        return [f"<p>plan beside measurement not drawn: {html.escape(str(exc))}</p>"]
+    return [figure_html(fig)]
 
 
 def _trace(t: Trace | dict) -> Trace:

@@ -8,6 +8,12 @@ just before its backward, and its gradient is reduce-scattered into the shard as
 is done: 3Ψ moved per step instead of DDP's 2Ψ (§7.2). The next unit's all-gather is prefetched while the
 current one computes. Pair it with ``ZeroOptimizer(model.parameters(), cls, stage=3)`` (``optimizer.py``).
 
+Mixed precision (FSDP2's ``MixedPrecisionPolicy``; Micikevicius et al. 2018): with ``mp_policy`` the fp32 shard
+stays the master the optimizer steps; before each gather it is cast to ``param_dtype``, so the all-gather
+moves, and the gathered unit holds, half the bytes of fp32 (bf16/fp16). The units then compute in that
+dtype without autocast (the parameters already are low precision); gradients come out in ``param_dtype``,
+are reduce-scattered in ``reduce_dtype`` and accumulate into the fp32 shard's ``.grad``.
+
 Here: ``FullyShardedModel``, ``default_units``, a unit's flat shard and transient full buffer (``_Unit``) and
 the autograd function whose backward is the moment to reduce-scatter (``_Unshard``).
 """
@@ -17,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +31,9 @@ from torch import nn
 from workbench import comm, trace
 from workbench.parallel.zero.flat import _ceil_div, _queue_end_of_backward
 from workbench.parallel.zero.offload import _offload_copy
+
+if TYPE_CHECKING:  # only the type: a strategy file imports no training-layer module at run time
+    from workbench.precision import MixedPrecision
 
 
 def _record_span(name: str, category: str, t0: float) -> None:
@@ -44,14 +53,18 @@ class _Unit:
     """
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter],
-                 uses: list[tuple[nn.Module, str, int]], world: int, rank: int, offload_device: Any) -> None:
+                 uses: list[tuple[nn.Module, str, int]], world: int, rank: int, offload_device: Any,
+                 mp_policy: MixedPrecision | None = None) -> None:
         self.name, self.module, self.uses = name, module, uses
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         numel = sum(self.numels)
         self.shard_numel = _ceil_div(numel, world)
         self.split_sizes = [*self.numels, world * self.shard_numel - numel]
-        self.dtype, self.device = params[0].dtype, params[0].device
+        self.dtype, self.device = params[0].dtype, params[0].device  # the shard's (the master's) dtype
+        # What the gathered unit computes in and what its gradient is reduce-scattered in (None: as produced).
+        self.compute_dtype = mp_policy.param_dtype if mp_policy is not None else self.dtype
+        self.reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
         flat = torch.cat([p.detach().reshape(-1) for p in params]
                          + [params[0].new_zeros(self.split_sizes[-1])])
         shard = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone()
@@ -67,7 +80,7 @@ class _Unit:
 
     @property
     def full_bytes(self) -> int:
-        return sum(self.split_sizes) * self.shard.element_size()
+        return sum(self.split_sizes) * self.compute_dtype.itemsize
 
     def is_gathered(self) -> bool:
         return self.full is not None and self.full.untyped_storage().nbytes() > 0
@@ -81,6 +94,8 @@ class _Unshard(torch.autograd.Function):
     reduce-scatter, return this rank's shard gradient (autograd accumulates it into ``shard.grad``) and free
     the gathered parameters.
     """
+
+    gathers_parameters = True  # the ledger counts its output as parameters, not activations (trace.py)
 
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, owner: FullyShardedModel, unit: _Unit) -> torch.Tensor:
@@ -114,14 +129,19 @@ class FullyShardedModel(nn.Module):
     and are yielded as they are): step them with ``ZeroOptimizer(model.parameters(), cls, stage=3)``.
     ``full_parameters()`` all-gathers the full tensors by their original names (every rank must call it).
     Ranks must start from identical weights (build the model with the same seed everywhere).
+    ``mp_policy`` (a ``workbench.precision.MixedPrecision``: ``param_dtype``, ``reduce_dtype``): gather and
+    compute in ``param_dtype``, reduce-scatter gradients in ``reduce_dtype``, keep the fp32 shards as masters
+    (see the module docstring); None: everything in the parameters' own dtype.
     ``offload_params=True`` keeps the shards (and their gradients) on ``offload_device``; each gather copies
     the shard to the compute device first. A unit run twice in one forward is not supported.
     """
 
     def __init__(self, module: nn.Module, group: Any = None, units: list[nn.Module] | None = None,
                  offload_params: bool = False, prefetch: bool = True,
-                 offload_device: str | torch.device = "cpu") -> None:
+                 offload_device: str | torch.device = "cpu", mp_policy: MixedPrecision | None = None) -> None:
         super().__init__()
+        _check_mp_policy(mp_policy)
+        self.mp_policy = mp_policy
         self.module = module
         self.group = group
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
@@ -171,7 +191,7 @@ class FullyShardedModel(nn.Module):
                 continue
             unit_uses = [(mod, local, i) for i, pid in enumerate(pids) for mod, local in uses[pid]]
             unit = _Unit(names.get(id(m), "") or "root", m, [params[pid] for pid in pids], unit_uses, self.world,
-                         self.rank, offload_device)
+                         self.rank, offload_device, self.mp_policy)
             for i, pid in enumerate(pids):
                 where[pid] = (unit, i)
             for mod, local, _ in unit_uses:
@@ -259,6 +279,8 @@ class FullyShardedModel(nn.Module):
         self._wait(unit)
         self._free(unit)
         unit.full = None
+        if unit.reduce_dtype is not None:  # mixed precision: accumulate and reduce in reduce_dtype
+            grad_full = grad_full.to(unit.reduce_dtype)
         if self._no_sync:
             unit.acc_grad = grad_full.clone() if unit.acc_grad is None else unit.acc_grad.add_(grad_full)
             return None
@@ -268,6 +290,7 @@ class FullyShardedModel(nn.Module):
         shard_grad = torch.empty(unit.shard_numel, dtype=grad_full.dtype, device=grad_full.device)
         comm.reduce_scatter(shard_grad, grad_full.contiguous(), op="avg", group=self.group, tag="grad")
         _record_span(f"backward {unit.name}", "backward", unit.t0)
+        shard_grad = shard_grad.to(unit.dtype)  # into the fp32 master's gradient (a no-op without a policy)
         return _offload_copy(shard_grad, unit.shard.device) if unit.offloaded else shard_grad
 
     def _end_of_backward(self) -> None:
@@ -303,15 +326,17 @@ class FullyShardedModel(nn.Module):
         if unit.work is not None or unit.is_gathered():
             return
         if unit.full is None:
-            unit.full = torch.empty(sum(unit.split_sizes), dtype=unit.dtype, device=unit.device)
+            unit.full = torch.empty(sum(unit.split_sizes), dtype=unit.compute_dtype, device=unit.device)
             target = unit.full
         else:
             storage = unit.full.untyped_storage()
             storage.resize_(unit.full_bytes)
-            target = torch.empty(0, dtype=unit.dtype, device=unit.device).set_(storage, 0, unit.full.shape)
+            target = torch.empty(0, dtype=unit.compute_dtype, device=unit.device).set_(storage, 0, unit.full.shape)
         src = unit.shard.detach()
         if unit.offloaded:
             src = src.to(unit.device, copy=True)  # offload: bring the shard to the compute device
+        # Mixed precision: cast the shard before gathering (as FSDP2 does), so the wire carries param_dtype too.
+        src = src.to(unit.compute_dtype)
         trace.ledger_add("gathered_params", unit.full_bytes)
         unit.work = comm.all_gather(target, src, group=self.group, async_op=True, tag="param")
 
@@ -425,6 +450,15 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _tensors(o)]
     return []
+
+
+def _check_mp_policy(mp_policy: Any) -> None:
+    if mp_policy is None:
+        return
+    dtypes = [getattr(mp_policy, name, None) for name in ("param_dtype", "reduce_dtype")]
+    if not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
+        raise ValueError(f"mp_policy must carry floating param_dtype and reduce_dtype (workbench.precision."
+                         f"policy(name).sharded()), got {mp_policy!r}")
 
 
 def _check_units(module: nn.Module, units: list[nn.Module]) -> None:

@@ -302,6 +302,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [(b.shard_grad, b.norm_share) for b in self.buckets if b.shard_grad is not None]
 
     @torch.no_grad()
+    def unscale_grads_(self, factor: float) -> list[torch.Tensor]:
+        """Multiply the gradient shards this rank steps by ``factor`` (a loss scaler's 1/scale) and return them.
+
+        Mixed precision with fp16 (Micikevicius et al. 2018): the shards are the only gradients a stage 2/3
+        rank keeps, so they are where unscaling and the inf/NaN check happen; the union of every rank's
+        shards is the whole gradient. A shard that is a view of the model's ``.grad`` is scaled out of place,
+        as ``clip_grad_norm_`` does, so ``.grad`` stays put."""
+        self.finish_gradient_synchronization()
+        if self.stage == 3:
+            grads = [t.grad for t in self._sharded if t.grad is not None]
+            for g in grads:
+                g.mul_(factor)
+            return grads
+        for b in self.buckets:
+            if b.shard_grad is not None:
+                b.shard_grad = b.shard_grad.mul(factor) if b.shard_grad_is_view else b.shard_grad.mul_(factor)
+                b.shard_grad_is_view = False
+        return [b.shard_grad for b in self.buckets if b.shard_grad is not None]
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm, computed from the shards with one all-reduce of a scalar.
 
@@ -340,6 +360,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total.float()
 
     # -- parameters --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def publish_shards(self) -> None:
+        """Make the model's parameters show what the stepped tensors (``param_groups``' params) hold: offloaded
+        masters are copied to their device shards and (stages 1-2) every bucket's shard is all-gathered into the
+        replicas, as after ``step()``. For code that writes those tensors directly (``workbench.reshard``)."""
+        for t in self._sharded:
+            if id(t) in self._masters:
+                t.copy_(self._masters[id(t)])
+        if self.stage in (1, 2):
+            self._wait_all_gathers([self._start_all_gather(b) for b in self.buckets])
 
     def _start_all_gather(self, b: _Bucket) -> tuple[Any, int]:
         """Launch the async all-gather of bucket ``b``'s updated shard into ``b.flat`` (the model's params).
