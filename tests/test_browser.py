@@ -1,6 +1,6 @@
 """The lab as a learner meets it: JupyterLab in headless Chromium runs notebooks and a lab (issue 11, item 5).
 
-A real JupyterLab server (127.0.0.1, token auth) serves copies of notebooks 00, 01, 03 and lab 02 (with its
+A real JupyterLab server (127.0.0.1, token auth) serves copies of notebook 00 and lab 02 (with its
 solution) from a temporary root; Playwright drives Debian's ``/usr/bin/chromium`` (never a downloaded
 browser) to open each one, run JupyterLab's *Run All Cells* and wait for the kernel to go idle. Then: plotly
 figures and widget views rendered, no error output, no browser console error, no news prompt, and in notebook
@@ -49,13 +49,12 @@ class Case:
     plotly: bool = True  # the notebook draws at least one plotly figure
 
 
-# Small parameters where the full run is slow, injected after the parameters cell as papermill would. Three
-# notebooks cover what a browser can break: plotly figures, ipywidgets (01's memory calculator, every quiz), the
-# %%ranks table (00) and a lab with its checker (02). Notebook 03 (also plotly and widgets, a minute of training
-# here) was dropped to keep the README's test command under 20 minutes on 2 cores; nbval still runs it.
+# Small parameters where the full run is slow, injected after the parameters cell as papermill would. A notebook
+# and a lab cover what a browser can break: plotly figures, ipywidgets (the quiz), the %%ranks table (00), and a lab
+# with its checker (02). Notebooks 01 and 03 (plotly and widgets too) were dropped to keep the README's test command
+# under 20 minutes on 2 cores; nbval still runs them.
 CASES = {
     "00": Case("notebooks/00_launching_ranks.ipynb", {"WORLD_SIZE": 2}),
-    "01": Case("notebooks/01_memory_anatomy.ipynb", {}),
     "lab02": Case("labs/02_ring_allreduce.ipynb", {"USE_SOLUTION": True}),
 }
 
