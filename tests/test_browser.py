@@ -31,8 +31,8 @@ pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 # This closed network refuses Chromium's own background connections (updates, sync, field trials), many at a
-# time; these flags keep the browser off the network except for the page we open
-# (/work/.library/env/machines/python.md). --no-sandbox: CI runs as root, where Chromium's sandbox cannot start.
+# time; these flags keep the browser off the network except for the page we open.
+# --no-sandbox: CI runs as root, where Chromium's sandbox cannot start.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 SERVER_START_S = 90.0

@@ -195,16 +195,14 @@ def _atomic_write(target: Path, write: Callable[[Any], None]) -> Path:
 def write_atomic(path: str | os.PathLike, state: Any) -> Path:
     """``torch.save(state)`` to ``path`` atomically (temp file, fsync, rename, fsync the directory)."""
     check_state(state)
-    target = Path(path)
-    return _atomic_write(target, lambda f: torch.save(state, f))
+    return _atomic_write(Path(path), lambda f: torch.save(state, f))
 
 
 def save_shard(directory: str | os.PathLike, step: int, rank: int, state: Mapping[str, Any]) -> Path:
     """Atomically write ``rank``'s shard of step ``step``; returns its path. No manifest: see ``save``."""
-    check_state(state)
     folder = step_dir(directory, step)
     folder.mkdir(parents=True, exist_ok=True)
-    return _atomic_write(folder / shard_name(rank), lambda f: torch.save(state, f))
+    return write_atomic(folder / shard_name(rank), state)
 
 
 def _sha256(path: Path) -> str:
@@ -451,9 +449,8 @@ def export_full_state_dict(model: torch.nn.Module, full_params: Mapping[str, tor
             raise ValueError(f"parameter {name!r} has shape {tuple(source.shape)}, the model expects "
                              f"{tuple(param.shape)}")
         state[name] = source.detach().to("cpu", dtype=param.dtype, copy=True)
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return _atomic_write(target, lambda f: torch.save(state, f))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, state)
 
 
 def _tied_to(names: Mapping[str, torch.nn.Parameter], name: str, full: Mapping[str, Any]) -> str | None:

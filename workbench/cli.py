@@ -177,8 +177,9 @@ def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True,
 def _prepare_resume(cfg: Any) -> None:
     """A resume on another layout gathers the checkpoint into full tensors first (``train.prepare_resharded_resume``,
     which launches the saved layout's ranks on the CPU): not from inside torchrun, whose processes are the ranks."""
+    from workbench.checkpoint import read_manifest
     from workbench.launch import under_torchrun
-    from workbench.train import find_resume_point, layout_changes, prepare_resharded_resume, read_manifest
+    from workbench.train import find_resume_point, layout_changes, prepare_resharded_resume
 
     if under_torchrun():
         saved = read_manifest(find_resume_point(cfg))["meta"]["run_config"]

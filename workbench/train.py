@@ -524,13 +524,18 @@ class Trainer:
             raise CheckpointError(f"{step_dir(cfg.ckpt_dir, step)} holds step {state['step']}, not {step}")
         self.strategy.model.load_state_dict(state["model"])
         self.strategy.optimizer.load_state_dict(state["optim"])
+        self._restore_progress(state)
+        return step, skipped
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
+        """What a checkpoint holds besides the model and optimizer: the sampler's position and the batches rollbacks
+        skipped, fp16's loss scaler, the RNG states; the next ``step()`` is the one after the checkpoint's."""
         self.sampler.load_state_dict(state["sampler"])  # refuses another seed or global batch
         self.data_skip = int(state["sampler"].get("data_skip", 0))
-        if self.strategy.scaler is not None and "scaler" in state:  # absent: saved in fp32/bf16, start afresh
+        if self.strategy.scaler is not None and state.get("scaler"):  # absent: saved in fp32/bf16, start afresh
             self.strategy.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
-        self.step_index = step + 1
-        return step, skipped
+        self.step_index = int(state["step"]) + 1
 
     def _load_resharded(self, folder: Path) -> None:
         """Another layout saved this checkpoint: load its full state (``prepare_resharded_resume`` wrote it) and
@@ -544,12 +549,7 @@ class Trainer:
                                   f"workbench run / run_training, which writes it before the ranks start")
         full = torch.load(file, map_location="cpu", weights_only=True)
         load_full_training_state(self.strategy, full, self._shard_like_params)
-        self.sampler.load_state_dict(full["sampler"])
-        self.data_skip = int(full["sampler"].get("data_skip", 0))
-        if self.strategy.scaler is not None and full.get("scaler"):
-            self.strategy.scaler.load_state_dict(full["scaler"])
-        set_rng_state(full["rng"])
-        self.step_index = int(full["step"]) + 1
+        self._restore_progress(full)
 
     def _shard_like_params(self, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """This layout's strategy built on a model whose parameters are ``values``: what its optimizer's tensors
@@ -593,10 +593,9 @@ class Trainer:
     def roll_back(self, bad_step: int) -> int:
         """Reload the newest checkpoint and skip the batches from there to ``bad_step`` (PaLM's remedy for a
         spike, Chowdhery et al. 2022 §5.1); returns the step rolled back to."""
-        skip = self.data_skip
         self.finish_checkpoints()  # the newest checkpoint may still be being written
-        step, _ = self.resume()
-        self.data_skip = int(self.data_skip) + (bad_step - step) if step is not None else skip
+        step, _ = self.resume()  # without after_restart it finds a checkpoint or raises
+        self.data_skip += bad_step - step
         return step
 
     def _broadcast_step(self, step: int) -> int:

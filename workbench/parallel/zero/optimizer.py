@@ -230,9 +230,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._attach_grads()
             with trace.span("optimizer step (shard)", "optimizer"):
                 self.optimizer.step()
-                for t in self._sharded:
-                    if id(t) in self._masters:
-                        t.copy_(self._masters[id(t)])  # offload: the updated master goes back to the device
+                self._masters_to_device(self._sharded)
         else:
             self._step_buckets()
         self._reduction.synced = False
@@ -253,8 +251,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.optimizer.step()
                 for c in b.chunks:
                     c.grad = None
-                if id(b.shard) in self._masters:
-                    b.shard.copy_(self._masters[id(b.shard)])  # offload: the updated master back to the device
+                self._masters_to_device([b.shard])
             if self.stage in (1, 2):
                 works.append(self._start_all_gather(b))
         self._wait_all_gathers(works)
@@ -366,11 +363,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Make the model's parameters show what the stepped tensors (``param_groups``' params) hold: offloaded
         masters are copied to their device shards and (stages 1-2) every bucket's shard is all-gathered into the
         replicas, as after ``step()``. For code that writes those tensors directly (``workbench.reshard``)."""
-        for t in self._sharded:
-            if id(t) in self._masters:
-                t.copy_(self._masters[id(t)])
+        self._masters_to_device(self._sharded)
         if self.stage in (1, 2):
             self._wait_all_gathers([self._start_all_gather(b) for b in self.buckets])
+
+    def _masters_to_device(self, shards: list[torch.Tensor]) -> None:
+        """Offload: the (updated) master copies of ``shards`` go back to the device shards; a no-op otherwise."""
+        for t in shards:
+            if id(t) in self._masters:
+                t.copy_(self._masters[id(t)])
 
     def _start_all_gather(self, b: _Bucket) -> tuple[Any, int]:
         """Launch the async all-gather of bucket ``b``'s updated shard into ``b.flat`` (the model's params).
