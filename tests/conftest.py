@@ -13,3 +13,15 @@ os.environ.setdefault("WORKBENCH_DEVICE", "cpu")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped with the reason where no GPU is visible")
+    config.addinivalue_line("markers", "extended: the extended lane (every notebook again, with small overrides); "
+                                       "runs with `-m extended`, as .ci/run does after the README's test command")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The extended lane runs only when asked for: it would push the README's test command past 20 minutes."""
+    if "extended" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="extended lane: run it with `python -m pytest -q -m extended` (.ci/run does)")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)

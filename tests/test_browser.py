@@ -327,7 +327,53 @@ def test_news_prompt_is_off_by_shipped_settings(lab: Lab) -> None:
     assert defaults["fetchNews"] == "false" and defaults["checkForUpdates"] is False, defaults
 
 
-# TODO(live dashboard, issue 11 item 1): test_live_dashboard_values_change_while_training(lab, browser) --
-# open a notebook that calls run_training(cfg, live=True), read the Dashboard's FigureWidget values twice while
-# the ranks train and assert they changed, then press Stop and check the run ended cleanly. Added with the
-# Dashboard widget; reuse _run_all's page handling (without waiting for idle) and CASES for the copy.
+LIVE = "live_dashboard.ipynb"
+LIVE_STEPS = 100_000  # far more than the test waits for: Stop, not the step count, ends the run
+LIVE_SOURCE = f"""from workbench.cli import run_training
+from workbench.train import RunConfig
+
+run = run_training(RunConfig(nproc=2, steps={LIVE_STEPS}, batch_size=4, seq_len=16), live=True)"""
+
+
+def test_live_dashboard_updates_while_training_and_stops(lab: Lab, browser: object) -> None:
+    """``run_training(cfg, live=True)`` in JupyterLab: the cell returns at once, the dashboard's figure (a
+    FigureWidget drawn by anywidget) and its status line change while the ranks train, and Stop ends the run."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(LIVE_SOURCE)])
+    nbformat.write(nb, lab.root / LIVE)
+    case = Case(LIVE, {})
+    opened = _run_all(lab, browser, case, "live")
+    page, panel = opened.page, opened.page.locator(".jp-NotebookPanel")
+    try:
+        assert not _error_outputs(opened.saved), f"{LIVE}: error outputs {_error_outputs(opened.saved)}"
+        status = panel.locator(".widget-html-content", has_text=re.compile(r"step \d+ of"))
+        figure = panel.locator(".js-plotly-plot").first
+        figure.wait_for(timeout=60_000)
+        first = _live_state(page, status)
+        deadline = time.time() + 60
+        while (now := _live_state(page, status))[0] <= first[0] + 2 and time.time() < deadline:
+            page.wait_for_timeout(500)
+        assert now[0] > first[0] + 2, f"the status line did not move: {first} then {now}"
+        assert now[1] > first[1], f"the figure's loss trace did not grow while the status moved: {first} then {now}"
+
+        panel.get_by_role("button", name="Stop").click()
+        stopped = panel.locator(".widget-html-content", has_text="stopped after step")
+        stopped.wait_for(timeout=60_000)  # written once run_training returned: the ranks are gone
+        last = int(re.search(r"stopped after step (\d+)", stopped.text_content()).group(1))
+        assert now[0] - 1 <= last < LIVE_STEPS - 1, (now, last)
+        _assert_drawn(figure, lab.shots / "live_dashboard.png", "the live dashboard's figure")  # still, now
+        assert not opened.console_errors, f"{LIVE}: browser console errors {opened.console_errors}"
+    finally:
+        page.close()
+        _shut_down_kernels(lab)
+
+
+def _live_state(page: object, status: object) -> tuple[int, int]:
+    """(steps done per the status line, points in the figure's loss trace as drawn in the page)."""
+    text = status.first.text_content() if status.count() else ""
+    match = re.search(r"step (\d+) of", text)
+    # a plotly div keeps its traces in .data (empty until the widget's first message arrives)
+    points = page.evaluate("() => document.querySelector('.jp-NotebookPanel .js-plotly-plot')"
+                           "?.data?.[0]?.x?.length ?? 0")
+    return (int(match.group(1)) if match else -1), int(points)

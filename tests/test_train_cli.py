@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from workbench.cli import main, run_training
-from workbench.train import RunConfig, lr_at, params_sha256
+from workbench.launch import launch
+from workbench.train import RunConfig, lr_at, params_sha256, train_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,6 +28,8 @@ LOSS_RTOL = 2e-4
     (dict(zero=4), "zero=4"),
     (dict(model="huge"), "unknown model 'huge'"),
     (dict(steps=0), "steps must be a positive int"),
+    (dict(precision="fp16", init_loss_scale=0.5), "init_loss_scale must be a finite number >= 1"),
+    (dict(precision="fp16", loss_scale_growth_interval=0), "loss_scale_growth_interval must be a positive int"),
     (dict(offload=True), "offload needs a ZeRO stage"),
     (dict(nproc=2, dp=4), "dp x tp x pp = 4 x 1 x 1 = 4 but nproc=2"),
     (dict(nproc=4, tp=3), "dp x tp x pp = 1 x 3 x 1 = 3 but nproc=4"),
@@ -63,6 +67,15 @@ def test_lr_schedule_warms_up_then_decays_to_min() -> None:
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
     assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_the_loss_scalers_settings_reach_the_ranks() -> None:
+    """``init_loss_scale`` starts fp16's scaler there; with a growth interval of 2 it doubles after every 2 clean
+    steps (each step reports the scale its gradients were scaled by)."""
+    summary = run_training(RunConfig(nproc=1, steps=4, batch_size=4, seq_len=16, precision="fp16",
+                                     init_loss_scale=1024.0, loss_scale_growth_interval=2), progress=False)
+    assert [m["skipped"] for m in summary["history"]] == [False] * 4
+    assert [m["loss_scale"] for m in summary["history"]] == [1024.0, 1024.0, 2048.0, 2048.0]
 
 
 def test_params_sha256_depends_on_values_and_names() -> None:
@@ -120,13 +133,36 @@ STRATEGIES = [
 ]
 
 
-@pytest.mark.parametrize("flags", STRATEGIES, ids=lambda f: "-".join(f"{k}{v}" for k, v in f.items()))
-def test_every_strategy_matches_single_process_loss(flags: dict, baseline: dict) -> None:
+def _train_each(cfgs: list[RunConfig]) -> list[list[dict]]:
+    """Train each config in turn on these ranks: one launch for many runs (spawning ranks and importing torch
+    costs more than 4 tiny steps). Each run builds its own Trainer, mesh and process groups, as a launch would."""
+    return [train_rank(cfg)["history"] for cfg in cfgs]
+
+
+@pytest.fixture(scope="module")
+def strategy_histories() -> Callable[[int], list[dict]]:
+    """Rank 0's per-step metrics of ``STRATEGIES[i]``; every strategy with the same nproc trains in one launch,
+    started when the first of them is asked for (so no single test waits for all of them)."""
+    done: dict[int, list[dict]] = {}
+
+    def history(i: int) -> list[dict]:
+        if i not in done:
+            nproc = STRATEGIES[i]["nproc"]
+            same = [j for j, flags in enumerate(STRATEGIES) if flags["nproc"] == nproc]
+            cfgs = [RunConfig(steps=4, batch_size=8, seq_len=32, **STRATEGIES[j]) for j in same]
+            done.update(zip(same, launch(_train_each, nproc, cfgs, timeout=240)[0], strict=True))
+        return done[i]
+    return history
+
+
+@pytest.mark.parametrize("i", range(len(STRATEGIES)),
+                         ids=["-".join(f"{k}{v}" for k, v in f.items()) for f in STRATEGIES])
+def test_every_strategy_matches_single_process_loss(i: int, strategy_histories: Callable, baseline: dict) -> None:
     """Losses, and the gradient norm each step clips by (clip=1.0 binds: the norms are ~2-3), as one process."""
-    summary = run_training(RunConfig(steps=4, batch_size=8, seq_len=32, **flags), progress=False)
-    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(baseline["losses"]),
+    history = strategy_histories(i)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in history]), torch.tensor(baseline["losses"]),
                                rtol=LOSS_RTOL, atol=0)
-    norms = [[h["grad_norm"] for h in run["history"]] for run in (summary, baseline)]
+    norms = [[h["grad_norm"] for h in run] for run in (history, baseline["history"])]
     assert min(norms[1]) > 1.0, "clipping should bind in this test"
     torch.testing.assert_close(torch.tensor(norms[0]), torch.tensor(norms[1]), rtol=LOSS_RTOL, atol=0)
 

@@ -65,6 +65,10 @@ def _run_parser(sub: Any) -> None:
                    help="compute dtype; fp32 master weights and optimizer state; fp16 adds a dynamic loss scaler")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="dtype gradients are reduced in: fp32 (default) or the compute dtype (needs --zero 3)")
+    p.add_argument("--init-loss-scale", type=float, default=2.0 ** 16,
+                   help="fp16: the dynamic loss scaler's first scale (halved on inf/NaN, doubled after clean steps)")
+    p.add_argument("--loss-scale-growth-interval", type=int, default=2000,
+                   help="fp16: clean steps before the loss scale doubles")
     p.add_argument("--data", default=None, help="a text file to train on instead of the bundled corpus")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     p.add_argument("--device", choices=VALID_DEVICES, default=None,
@@ -118,6 +122,7 @@ def _config_from_args(args: argparse.Namespace) -> Any:
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
                      zero=args.zero, offload=args.offload, recompute=args.recompute, data=args.data,
                      precision=args.precision, reduce_dtype=args.reduce_dtype,
+                     init_loss_scale=args.init_loss_scale, loss_scale_growth_interval=args.loss_scale_growth_interval,
                      timeout=args.timeout,
                      device=args.device, backend=None if args.backend == "auto" else args.backend, port=args.port,
                      ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume,

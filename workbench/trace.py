@@ -115,6 +115,11 @@ class DeviceMemory:
     allocator counts more than the ledger's categories (temporaries such as matmul outputs and autograd
     intermediates, cuBLAS workspaces, rounding of each block to 512 bytes) and less than ``nvidia-smi``
     shows (the CUDA context and the allocator's cached free blocks are not "allocated").
+
+    ``utilization`` is ``torch.cuda.utilization``: the percent of time one or more kernels ran over the
+    driver's last sample period (1/6 s to 1 s, as ``nvidia-smi`` shows it), taken at the same moment; a
+    busy-ness figure, not FLOP efficiency (a GPU running one small kernel all the time reads 100 %). None where
+    it cannot be asked: it needs the ``pynvml`` (nvidia-ml-py) or, on ROCm, ``amdsmi`` package.
     """
 
     device: str
@@ -123,6 +128,7 @@ class DeviceMemory:
     reserved: int
     ledger_total: int
     ledger_peak: int
+    utilization: float | None = None
 
 
 @dataclass
@@ -317,7 +323,28 @@ def record_device_memory(device: Any) -> None:
     tracer.trace.device_memory = DeviceMemory(
         device=str(device), allocated=torch.cuda.memory_allocated(device),
         peak_allocated=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
-        ledger_total=ledger.total(), ledger_peak=ledger.peak_total)
+        ledger_total=ledger.total(), ledger_peak=ledger.peak_total, utilization=device_utilization(device))
+
+
+class _Utilization:
+    """Whether ``torch.cuda.utilization`` failed once in this process: it is asked after every step, and a
+    missing pynvml would otherwise cost a failed import each time."""
+
+    unavailable = False
+
+
+def device_utilization(device: Any) -> float | None:
+    """``torch.cuda.utilization(device)`` in percent, or None where it cannot be asked (no pynvml/amdsmi, no
+    NVML driver, not a CUDA device); after one failure, None without asking again."""
+    if _Utilization.unavailable:
+        return None
+    import torch
+
+    try:
+        return float(torch.cuda.utilization(device))
+    except Exception:  # noqa: BLE001 - ModuleNotFoundError (no pynvml), pynvml.NVMLError, RuntimeError: all "unknown"
+        _Utilization.unavailable = True
+        return None
 
 
 def ledger_add(category: str, delta: int) -> None:

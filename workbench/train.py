@@ -69,6 +69,8 @@ class RunConfig:
     recompute: str = "none"  # activation recomputation: none, selective (attention core), full (every block)
     precision: str = "fp32"  # compute dtype: fp32, bf16, fp16 (fp32 masters and optimizer state; fp16: loss scaler)
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32, or the compute dtype (needs zero=3)
+    init_loss_scale: float = 2.0 ** 16  # fp16's dynamic loss scaler: the first scale (Micikevicius et al. 2018)
+    loss_scale_growth_interval: int = 2000  # fp16: clean steps before the scale doubles
     steps: int = 50
     batch_size: int = 16
     grad_accum: int = 1
@@ -222,6 +224,11 @@ class RunConfig:
         from workbench.precision import policy_from_names
 
         policy_from_names(self.precision, self.reduce_dtype)
+        scale = self.init_loss_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1 <= scale < math.inf:
+            raise ValueError(f"init_loss_scale must be a finite number >= 1 (fp16 starts its dynamic loss scale "
+                             f"there; 2**16 is the usual start), got {scale!r}")
+        _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
         if self.reduce_dtype != "fp32" and (self.zero != 3 or self.pp > 1):
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r} needs zero=3 (ZeRO-3 reduce-scatters gradients in "
                              f"its policy's reduce dtype); with zero={self.zero}, pp={self.pp} gradients are reduced "
@@ -417,7 +424,8 @@ class Trainer:
             ddp=cfg.ddp, bucket_mb=cfg.bucket_mb, zero=cfg.zero, offload=cfg.offload, lr=cfg.lr,
             weight_decay=cfg.weight_decay, sp=cfg.sp, grad_accum=cfg.grad_accum, schedule=cfg.schedule,
             microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, recompute=cfg.recompute,
-            precision=cfg.precision, reduce_dtype=cfg.reduce_dtype)
+            precision=cfg.precision, reduce_dtype=cfg.reduce_dtype, init_loss_scale=cfg.init_loss_scale,
+            loss_scale_growth_interval=cfg.loss_scale_growth_interval)
         self.strategy = parallelize(model, self.mesh, self.parallel_config)
         self.step_index = 0
         self.tokens_per_step = cfg.batch_size * model_cfg.seq_len

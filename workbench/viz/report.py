@@ -1,7 +1,8 @@
 """The run report: one self-contained HTML page (works offline: plotly.js inlined once) with the run's
-configuration, the loss curve (checkpoint saves and restarts marked), the per-rank timeline, memory by category
-per rank beside theory's prediction, communication per traced step by mesh axis and collective beside theory's
-bytes, and for pipeline runs the bubble (plan beside measurement).
+configuration, the loss curve (checkpoint saves, restarts and fp16's skipped steps marked; for fp16 runs the loss
+scale per step on a log axis beside it), the per-rank timeline, memory by category per rank beside theory's
+prediction (on CUDA with the allocator's figures and the GPU's utilisation), communication per traced step by
+mesh axis and collective beside theory's bytes, and for pipeline runs the bubble (plan beside measurement).
 
 Theory comes from ``workbench.theory`` (pure Python) for the run's own layout, so every measured number sits
 next to what the ZeRO paper (Rajbhandari et al. 2020), Megatron-LM (Shoeybi et al. 2019), Korthikanti et al.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,12 +31,20 @@ from workbench.viz.timeline import comm_table, steps_only, timeline
 
 
 def loss_curve(history: Sequence[dict[str, Any]], title: str = "global-batch loss per step",
-               checkpoint_steps: Sequence[int] = (), restarts: Sequence[dict[str, Any]] = ()) -> go.Figure:
-    """The loss per step; ``checkpoint_steps`` (summary["checkpoint"]["written_steps"]) marked as saves, and each
-    restart (summary["restarts"]: attempt, reason, and ``at_step`` or else ``last_step_done``) as a dashed line."""
+               checkpoint_steps: Sequence[int] = (), restarts: Sequence[dict[str, Any]] = (),
+               skipped_steps: Sequence[int] = ()) -> go.Figure:
+    """The loss per step; ``checkpoint_steps`` (summary["checkpoint"]["written_steps"]) marked as saves, each
+    restart (summary["restarts"]: attempt, reason, and ``at_step`` or else ``last_step_done``) as a dashed line,
+    and fp16's ``skipped_steps`` (inf/NaN gradients: the weights did not move) as crossed circles."""
     steps = [m["step"] for m in history]
     loss_at = {m["step"]: m["loss"] for m in history}
     fig = go.Figure(go.Scatter(x=steps, y=[m["loss"] for m in history], mode="lines+markers", name="loss"))
+    skipped = [s for s in skipped_steps if s in loss_at]
+    if skipped:
+        fig.add_trace(go.Scatter(x=skipped, y=[_finite_or(loss_at[s], loss_at) for s in skipped], mode="markers",
+                                 name=SKIPPED_NAME, marker=_SKIPPED_MARKER,
+                                 hovertemplate="step %{x} skipped: inf/NaN gradients, weights unchanged"
+                                               "<extra></extra>"))
     saved = [s for s in checkpoint_steps if s in loss_at]
     if saved:
         fig.add_trace(go.Scatter(x=saved, y=[loss_at[s] for s in saved], mode="markers", name="checkpoint saved",
@@ -51,6 +61,57 @@ def loss_curve(history: Sequence[dict[str, Any]], title: str = "global-batch los
                                  hovertext=[str(r.get("reason", ""))], hoverinfo="text+name"))
     fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", height=350)
     return fig
+
+
+#: The legend name of fp16's skipped steps, on the loss curve and on the loss-scale panel alike.
+SKIPPED_NAME = "skipped step (inf or NaN gradients)"  # no "/": plotly writes it as \u002f
+_SKIPPED_MARKER = {"symbol": "circle-x-open", "size": 13, "color": "#F58518"}
+
+
+def _finite_or(value: Any, loss_at: dict[int, Any]) -> float:
+    """``value`` where it is a finite number, else the lowest finite loss (a marker needs a height to sit at)."""
+    finite = [v for v in loss_at.values() if isinstance(v, int | float) and math.isfinite(v)]
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return min(finite, default=0.0)
+
+
+def loss_scale_trace(history: Sequence[dict[str, Any]], precision: str | None = None) -> dict[str, Any]:
+    """fp16's dynamic loss scaler as the per-step metrics recorded it: the scale each step's backward used and
+    the steps skipped on inf/NaN. ``shown`` when the run scaled its loss: ``precision`` is "fp16", or any scale
+    is not 1, or any step was skipped (fp32 and bf16 runs record scale 1 and never skip: no panel for them)."""
+    scales = [1.0 if m.get("loss_scale") is None else float(m["loss_scale"]) for m in history]
+    skipped = [m["step"] for m in history if m.get("skipped")]
+    shown = precision == "fp16" or bool(skipped) or any(s != 1.0 for s in scales)
+    return {"shown": shown, "steps": [m["step"] for m in history], "loss_scale": scales, "skipped_steps": skipped}
+
+
+def loss_scale_curve(scaler: dict[str, Any]) -> go.Figure:
+    """The loss scale per step on a log axis (the scaler moves it by factors of 2), skipped steps marked: each
+    skip is where the scale backs off (Micikevicius et al. 2018, §3.2); a long clean stretch is where it grows."""
+    steps, scales = scaler["steps"], scaler["loss_scale"]
+    scale_at = dict(zip(steps, scales, strict=True))
+    fig = go.Figure(go.Scatter(x=steps, y=scales, mode="lines+markers", name="loss scale", line_shape="hv"))
+    skipped = [s for s in scaler["skipped_steps"] if s in scale_at]
+    if skipped:
+        fig.add_trace(go.Scatter(x=skipped, y=[scale_at[s] for s in skipped], mode="markers", name=SKIPPED_NAME,
+                                 marker=_SKIPPED_MARKER,
+                                 hovertemplate="step %{x} skipped at scale %{y}: the scale backs off"
+                                               "<extra></extra>"))
+    fig.update_layout(title="fp16 loss scale per step (log axis), skipped steps marked", xaxis_title="step",
+                      yaxis_title="loss scale", yaxis_type="log", yaxis_exponentformat="power", height=300)
+    return fig
+
+
+def loss_scale_sentence(scaler: dict[str, Any]) -> str:
+    """One sentence: how many steps fp16 skipped, which, and where the scale started and ended."""
+    skipped, scales = scaler["skipped_steps"], scaler["loss_scale"]
+    which = f" (step{'s' if len(skipped) > 1 else ''} {', '.join(str(s) for s in skipped)})" if skipped else ""
+    span = f"from {scales[0]:g} to {scales[-1]:g}" if scales else "not recorded"
+    return (f"fp16 dynamic loss scaling: {len(skipped)} of {len(scaler['steps'])} steps skipped{which}; a skipped "
+            f"step found an inf or NaN gradient on some rank, so no rank updated its weights and the scale backed "
+            f"off. Scale used by backward {span}. Skipped steps are marked on the loss curve and on the loss-scale "
+            f"panel.")
 
 
 def _restart_step(restart: dict[str, Any]) -> int | None:
@@ -91,8 +152,10 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
     history = summary["history"]
     last_traced = max((c.step for t in traces for c in t.comms if c.step is not None), default=None)
     checkpoint = summary.get("checkpoint") or {}
+    scaler = loss_scale_trace(history, (summary.get("config") or {}).get("precision"))
     figures = [loss_curve(history, checkpoint_steps=checkpoint.get("written_steps") or (),
-                          restarts=summary.get("restarts") or ()),
+                          restarts=summary.get("restarts") or (), skipped_steps=scaler["skipped_steps"]),
+               *([loss_scale_curve(scaler)] if scaler["shown"] else []),
                metric_curves(history),
                timeline([steps_only(t) for t in traces],
                         title=f"per-rank timeline of the last traced steps ({summary['strategy']})")]
@@ -106,6 +169,8 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
         parts.append(f"<p>ranks ran on {html.escape(where['device_name'])} ({html.escape(where['device'])} on rank 0, "
                      f"backend {html.escape(where['backend'])}).</p>")
     parts += checkpoint_sentences(summary)
+    if scaler["shown"]:
+        parts.append(f"<p>{html.escape(loss_scale_sentence(scaler))}</p>")
     for i, fig in enumerate(figures):
         parts.append(figure_html(fig, with_plotlyjs=(i == 0)))
     if summary.get("mesh"):
@@ -121,7 +186,8 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
     memory = memory_vs_theory(summary, traces)
     parts += memory_theory_section(memory)
     parts += config_section(summary)
-    data = {"memory_vs_theory": memory, "comm_vs_theory": comm, "config": summary.get("config", {})}
+    data = {"memory_vs_theory": memory, "comm_vs_theory": comm, "config": summary.get("config", {}),
+            "loss_scale": scaler}
     parts.append(embedded_json("workbench-report-data", data))
     path.write_text("<html><head><meta charset='utf-8'><title>workbench report</title></head><body>"
                     + "\n".join(parts) + "</body></html>")
@@ -502,20 +568,34 @@ def memory_rows(traces: Sequence[Trace]) -> list[dict[str, Any]]:
         row["ledger peak (MiB)"] = t.memory.peak_total / _MIB
         if t.device_memory is not None:
             dm = t.device_memory
+            row["device"] = dm.device
             row["allocator now (MiB)"] = dm.allocated / _MIB
             row["allocator - ledger now (MiB)"] = (dm.allocated - dm.ledger_total) / _MIB
             row["allocator peak (MiB)"] = dm.peak_allocated / _MIB
+            row["allocator reserved (MiB)"] = dm.reserved / _MIB
+            row["GPU utilisation (%)"] = "unknown" if dm.utilization is None else dm.utilization
         rows.append(row)
     return rows
 
 
+_UTILIZATION = (
+    "GPU utilisation is torch.cuda.utilization at the same moment: the percent of time one or more kernels ran "
+    "over the driver's last sample period (1/6 s to 1 s, as nvidia-smi shows it). It says how busy the GPU was, "
+    "not how efficiently: one small kernel running all the time reads 100 %.")
+_NO_UTILIZATION = ("GPU utilisation unknown: torch.cuda.utilization needs the pynvml (nvidia-ml-py) package, or "
+                   "amdsmi on ROCm, and a driver it can ask.")
+
+
 def memory_section(traces: Sequence[Trace]) -> list[str]:
-    """HTML: the ledger's theory-shaped breakdown per rank and, on CUDA, the allocator's figures and the gap."""
-    on_cuda = any(t.device_memory is not None for t in traces)
-    where = "measured on CUDA: ledger beside the allocator" if on_cuda else "the ledger (CPU: no allocator to ask)"
+    """HTML: the ledger's theory-shaped breakdown per rank and, on CUDA, the allocator's figures, the gap and the
+    GPU's utilisation (where pynvml/amdsmi could be asked)."""
+    devices = [t.device_memory for t in traces if t.device_memory is not None]
+    where = "measured on CUDA: ledger beside the allocator" if devices else "the ledger (CPU: no allocator to ask)"
     parts = [f"<h2>memory per rank ({where})</h2>", _table(memory_rows(traces))]
-    if on_cuda:
+    if devices:
         parts.append(f"<p>{html.escape(_ALLOCATOR_GAP)}</p>")
+        known = any(d.utilization is not None for d in devices)
+        parts.append(f"<p>{html.escape(_UTILIZATION if known else _NO_UTILIZATION)}</p>")
     return parts
 
 

@@ -252,7 +252,7 @@ def _panels(nproc: int, widget: bool) -> go.Figure:
     fig = make_subplots(rows=4, cols=2, vertical_spacing=0.09, horizontal_spacing=0.1,
                         specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None], [{}, {}]],
                         subplot_titles=[*SCALARS.values(), "step time per rank (s)",
-                                        f"memory peak by category ({UNIT})", f"bytes moved per collective ({UNIT})"])
+                                        f"memory peak ({UNIT})", f"bytes per collective ({UNIT})"])
     for i, (key, title) in enumerate(SCALARS.items()):
         fig.add_scatter(x=[], y=[], mode="lines", name=title, showlegend=False, line_color="#444",
                         hovertemplate=f"step %{{x}}<br>{key} %{{y:.4g}}<extra></extra>", row=1 + i // 2, col=1 + i % 2)
