@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 TOL = {torch.float32: {}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
 CASES = [(n, dtype, op) for n in (1, 7, 1000) for dtype in (torch.float32, torch.bfloat16) for op in ("sum", "avg")]
-CASES += [(1_000_003, torch.float32, "sum"), (1_000_003, torch.float32, "avg")]
+CASES += [(100_003, torch.float32, "sum")]  # many segments per chunk (pipelining), an odd size (uneven chunks)
 
 
 def _data(numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
@@ -85,7 +85,7 @@ def _equivalence_on_ranks(segment_bytes: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_and_tree_equal_gloo_all_reduce(world: int) -> None:
-    # 4 KiB segments: the 1_000_003-element case runs through ~250 pipelined messages per chunk.
+    # 4 KiB segments: the 100_003-element case runs through 25-49 pipelined messages per chunk.
     results = launch(_equivalence_on_ranks, world, 4096, timeout=60)
     errors = [e for r in results for e in r["errors"]]
     assert not errors, "\n".join(errors)
