@@ -325,3 +325,16 @@ def test_a_hand_written_plan_runs_and_is_checked_first():
     missing = [[a for a in by_hand[0] if (a.kind, a.microbatch) != ("B", 0)]]
     with pytest.raises(ValueError, match="stage 0 micro-batch 0 needs B, or I and W"):
         Pipeline(build_gpt(GPT4, seed=0), None, microbatches=MICROBATCHES, plan=missing)
+
+
+def test_activation_meter_counts_autocast_input_copies_not_weight_copies():
+    """Under autocast a stage saves bf16 copies of its weights (model bytes, as the ledger counts them) and of its
+    received input (an activation, although a leaf that requires grad): only the latter is counted."""
+    from workbench.parallel.pipeline import ActivationMeter
+
+    layer = torch.nn.Linear(32, 16, bias=False)
+    received = torch.randn(8, 32, requires_grad=True)  # what recv hands a stage: a leaf that needs its gradient
+    meter = ActivationMeter()
+    with torch.autocast("cpu", dtype=torch.bfloat16), meter.saving(stage=0, mb=0):
+        layer(received).float().sum()
+    assert meter.held[(0, 0)] == received.numel() * 2, "the bf16 copy of the input, and nothing of the weight"

@@ -130,7 +130,7 @@ def test_activations_saved_under_bf16_autocast_shrink_but_do_not_halve(runs: dic
     the matmuls' saved inputs are bf16 (half), but autocast keeps the residual stream the LayerNorms save and
     the loss's log-softmax in fp32 (a quarter of the tiny GPT's fp32 activations: its 256-token vocabulary
     makes the logits large). Autocast's bf16 copies of the weights, which each matmul saves for backward, are
-    parameter bytes, not activations: the tracer leaves them out (trace._is_parameter_or_view)."""
+    parameter bytes, not activations: the tracer leaves them out (trace.is_parameter_bytes)."""
     fp32, bf16 = (runs[k]["peak"]["activations"] for k in ("fp32", "single-bf16"))
     print(f"activations: fp32 {fp32} B, bf16 {bf16} B, ratio {bf16 / fp32:.3f}")
     assert 0.55 < bf16 / fp32 < 0.8

@@ -59,6 +59,9 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="fixes model init and data order")
     p.add_argument("--ddp", choices=DDP_KINDS, default="bucketed", help="gradient synchronisation")
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--zero3-replicate", nargs="+", default=[], metavar="PATTERN",
+                   help="--zero 3: keep the parameters these globs pick (a name such as 'ln_f.*', or a module class "
+                        "such as '*norm') whole on every rank, their gradients all-reduced (FSDP's ignored params)")
     p.add_argument("--recompute", choices=RUN_RECOMPUTE_MODES, default="none",
                    help="activation recomputation: selective (the attention core) or full (every block)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -120,7 +123,8 @@ def _config_from_args(args: argparse.Namespace) -> Any:
                      virtual_stages=args.virtual_stages, steps=args.steps,
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
                      clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
-                     zero=args.zero, offload=args.offload, recompute=args.recompute, data=args.data,
+                     zero=args.zero, zero3_replicate=args.zero3_replicate, offload=args.offload,
+                     recompute=args.recompute, data=args.data,
                      precision=args.precision, reduce_dtype=args.reduce_dtype,
                      init_loss_scale=args.init_loss_scale, loss_scale_growth_interval=args.loss_scale_growth_interval,
                      timeout=args.timeout,

@@ -224,7 +224,7 @@ class Tracer:
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if _is_parameter_or_view(t):
+            if is_parameter_bytes(t):
                 return t
             key = t.untyped_storage().data_ptr()
             if key not in seen:
@@ -239,14 +239,16 @@ class Tracer:
         self.memory.set("activations", 0)
 
 
-def _is_parameter_or_view(t: Any) -> bool:
+def is_parameter_bytes(t: Any) -> bool:
     """A parameter, a view of one, or a copy of one made to compute with: bytes of the model, not activations.
 
     Copies: autocast's cast of a weight to the compute dtype (``_to_copy`` of a leaf parameter), and the full
     parameters an autograd Function gathers from shards when it says so (``gathers_parameters = True`` on the
     Function, as ZeRO-3's unshard does)."""
+    import torch
+
     base = t._base if t._base is not None else t
-    if base.is_leaf and base.requires_grad:
+    if isinstance(base, torch.nn.Parameter):  # not any leaf that requires grad: a pipeline stage's received input
         return True
     node = base.grad_fn
     if node is None:
@@ -257,9 +259,11 @@ def _is_parameter_or_view(t: Any) -> bool:
 
 
 def _only_parameters_feed(node: Any) -> bool:
-    """True when every input of the autograd ``node`` is a leaf parameter (AccumulateGrad)."""
+    """True when every input of the autograd ``node`` is a parameter (an AccumulateGrad whose leaf is one)."""
+    import torch
+
     inputs = [fn for fn, _ in node.next_functions if fn is not None]
-    return bool(inputs) and all(type(fn).__name__ == "AccumulateGrad" for fn in inputs)
+    return bool(inputs) and all(isinstance(getattr(fn, "variable", None), torch.nn.Parameter) for fn in inputs)
 
 
 class _Active:

@@ -19,7 +19,7 @@ import hashlib
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ class RunConfig:
     ddp: str = "bucketed"
     bucket_mb: float = 25.0
     zero: int = 0
+    zero3_replicate: list[str] = field(default_factory=list)  # ZeRO-3: glob patterns of parameters kept whole
     offload: bool = False
     data: str | None = None
     timeout: float = 120.0
@@ -154,6 +155,9 @@ class RunConfig:
             raise ValueError(f"zero={self.zero!r}; valid: {ZERO_STAGES}")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.zero3_replicate and (self.zero != 3 or self.pp > 1):
+            raise ValueError(f"zero3_replicate={self.zero3_replicate!r} needs zero=3 without a pipeline (it keeps "
+                             f"the parameters it names out of ZeRO-3's shards); got zero={self.zero}, pp={self.pp}")
         if self.offload and self.zero == 0:
             raise ValueError("offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -280,8 +284,8 @@ RESUME_MUST_MATCH = ("model", "seq_len", "batch_size", "seed", "data", "val_ever
 #: RunConfig fields a resume may change: the layout. The checkpoint is then resharded (``workbench.reshard``):
 #: gathered into full tensors on the saved layout once (``full-state.pt`` beside its shards), then sharded the new
 #: way by every rank of the new one.
-LAYOUT_FIELDS = ("nproc", "dp", "tp", "pp", "sp", "zero", "offload", "schedule", "microbatches", "virtual_stages",
-                 "grad_accum")
+LAYOUT_FIELDS = ("nproc", "dp", "tp", "pp", "sp", "zero", "zero3_replicate", "offload", "schedule", "microbatches",
+                 "virtual_stages", "grad_accum")
 FULL_STATE = "full-state.pt"
 
 
@@ -324,8 +328,15 @@ def check_resumable(cfg: RunConfig, saved: dict[str, Any] | None, path: str | Pa
 
 def layout_changes(cfg: RunConfig, saved: dict[str, Any]) -> list[str]:
     """The layout fields in which ``cfg`` differs from a checkpoint's run config (empty: same layout)."""
-    mine = checkpoint_config(cfg)
-    return [f"{k}: {saved.get(k)!r} -> {mine[k]!r}" for k in LAYOUT_FIELDS if saved.get(k) != mine[k]]
+    mine, defaults = checkpoint_config(cfg), {f.name: f for f in fields(RunConfig)}
+
+    def saved_value(k: str) -> Any:  # a checkpoint older than a field has that field's default
+        if k in saved:
+            return saved[k]
+        f = defaults[k]
+        return f.default_factory() if f.default_factory is not MISSING else f.default
+
+    return [f"{k}: {saved_value(k)!r} -> {mine[k]!r}" for k in LAYOUT_FIELDS if saved_value(k) != mine[k]]
 
 
 def prepare_resharded_resume(cfg: RunConfig) -> str | None:
@@ -421,7 +432,8 @@ class Trainer:
         model = build_gpt(model_cfg, seed=cfg.seed, device=self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.parallel_config = ParallelConfig(
-            ddp=cfg.ddp, bucket_mb=cfg.bucket_mb, zero=cfg.zero, offload=cfg.offload, lr=cfg.lr,
+            ddp=cfg.ddp, bucket_mb=cfg.bucket_mb, zero=cfg.zero, zero3_replicate=tuple(cfg.zero3_replicate),
+            offload=cfg.offload, lr=cfg.lr,
             weight_decay=cfg.weight_decay, sp=cfg.sp, grad_accum=cfg.grad_accum, schedule=cfg.schedule,
             microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, recompute=cfg.recompute,
             precision=cfg.precision, reduce_dtype=cfg.reduce_dtype, init_loss_scale=cfg.init_loss_scale,

@@ -14,9 +14,10 @@ holds, agrees on inf/NaN over the whole mesh, clips and steps or skips.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -35,8 +36,12 @@ ZERO_STAGES = (0, 1, 2, 3)
 @dataclass
 class ParallelConfig:
     ddp: str = "bucketed"
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = 25.0  # BucketedDDP's cap; None: one bucket for every gradient
     zero: int = 0
+    #: ZeRO-3 only: parameters kept whole on every rank (FSDP's ignored parameters), their gradients all-reduced.
+    #: Glob patterns matched against each parameter's name or, case-insensitively, its module's class name:
+    #: ("*norm",) keeps every LayerNorm's weight and bias replicated (``replicated_names``).
+    zero3_replicate: tuple[str, ...] = ()
     offload: bool = False
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -169,6 +174,28 @@ def _precision(mesh: Any, cfg: ParallelConfig) -> _Precision:
 
 
 
+def replicated_names(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """The trainable parameters of ``model`` that ``patterns`` pick (``ParallelConfig.zero3_replicate``): a pattern
+    is a glob (``fnmatch``) matched against the parameter's qualified name (``"ln_f.*"``, ``"blocks.*.ln1.*"``)
+    or, case-insensitively, against the class name of the module that holds it (``"*norm"``: every LayerNorm).
+    A pattern that picks nothing is a ValueError naming it."""
+    if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"zero3_replicate must be a tuple of non-empty glob patterns (e.g. ('*norm',)), "
+                         f"got {patterns!r}")
+    owned = [(f"{mod_name}.{local}" if mod_name else local, type(mod).__name__.lower(), p)
+             for mod_name, mod in model.named_modules() for local, p in mod.named_parameters(recurse=False)]
+    names = []
+    for pattern in patterns:
+        hits = [name for name, cls, p in owned if p.requires_grad
+                and (fnmatchcase(name, pattern) or fnmatchcase(cls, pattern.lower()))]
+        if not hits:
+            classes = sorted({cls for _, cls, _ in owned})
+            raise ValueError(f"zero3_replicate pattern {pattern!r} matches no trainable parameter; match a name "
+                             f"such as {owned[0][0]!r} or a module class among {classes}")
+        names += [n for n in hits if n not in names]
+    return names
+
+
 def _mp_policy(amp: _Precision) -> Any:
     """ZeRO-3's FSDP2-style policy, or None in fp32 (the sharded model then runs exactly as without one)."""
     return None if amp.policy.name == "fp32" else amp.policy.sharded()
@@ -195,6 +222,9 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     if cfg.sp and mesh.tp_size == 1:
         raise ValueError("sequence parallelism needs tp > 1: it shards the sequence over the tp ranks; "
                          "set tp >= 2 or turn sp off")
+    if cfg.zero3_replicate and (cfg.zero != 3 or mesh.pp_size > 1):
+        raise ValueError(f"zero3_replicate={cfg.zero3_replicate!r} needs zero=3 without a pipeline (it keeps chosen "
+                         f"parameters out of ZeRO-3's shards); got zero={cfg.zero}, pp={mesh.pp_size}")
     amp = _precision(mesh, cfg)
     if mesh.pp_size > 1:
         strategy = _with_pipeline(model, mesh, cfg, amp)
@@ -368,12 +398,14 @@ def _zero3_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp
 
     shares = tensor.norm_weights(model, mesh)  # by the original names: read before the wrapper re-homes them
     partial = [n for n, _ in sequence.sequence_parallel_parameters(model)]
-    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload, mp_policy=_mp_policy(amp))
+    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload, mp_policy=_mp_policy(amp),
+                                replicate=replicated_names(model, cfg.zero3_replicate) or None)
     sharded.set_norm_shares(shares)
     optimizer = ZeroOptimizer(sharded.parameters(), torch.optim.AdamW, group=mesh.dp_group, stage=3,
                               offload=cfg.offload, model_parallel_groups=(mesh.tp_group,), **_optimizer_kwargs(cfg))
     finish = lambda: sharded.sum_partial_grads(partial, mesh.tp_group, sequence.SP_GRAD_TAG)  # noqa: E731
-    what = f"TP={mesh.tp_size}{' + SP' if cfg.sp else ''} + ZeRO-3" + (" + offload" if cfg.offload else "")
+    what = (f"TP={mesh.tp_size}{' + SP' if cfg.sp else ''} + ZeRO-3" + (" + offload" if cfg.offload else "")
+            + (f" (replicated: {', '.join(cfg.zero3_replicate)})" if cfg.zero3_replicate else ""))
     return Parallelized(sharded, optimizer, sharded.no_sync, finish, optimizer.clip_grad_norm_,
                         lambda: tensor.gather_full(model, sharded.full_parameters(), mesh), lambda: None, what,
                         unscale_grads=optimizer.unscale_grads_)
@@ -440,9 +472,12 @@ def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig, param_groups: list[
 def _zero3(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
     from workbench.parallel.zero import FullyShardedModel, ZeroOptimizer
 
-    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload, mp_policy=_mp_policy(amp))
+    sharded = FullyShardedModel(model, group=mesh.dp_group, offload_params=cfg.offload, mp_policy=_mp_policy(amp),
+                                replicate=replicated_names(model, cfg.zero3_replicate) or None)
     optimizer = ZeroOptimizer(sharded.parameters(), torch.optim.AdamW, group=mesh.dp_group, stage=3,
                               offload=cfg.offload, **_optimizer_kwargs(cfg))
     return Parallelized(sharded, optimizer, sharded.no_sync, sharded.finish_gradient_synchronization,
                         optimizer.clip_grad_norm_, sharded.full_parameters, lambda: None,
-                        "ZeRO-3" + (" + offload" if cfg.offload else ""), unscale_grads=optimizer.unscale_grads_)
+                        "ZeRO-3" + (" + offload" if cfg.offload else "")
+                        + (f" (replicated: {', '.join(cfg.zero3_replicate)})" if cfg.zero3_replicate else ""),
+                        unscale_grads=optimizer.unscale_grads_)

@@ -295,7 +295,7 @@ class OverlapDDP(_HookedDDP):
         return self._units[i][0].grad
 
 
-def _bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+def _bucket_params(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
     """Consecutive runs of ``params`` of at most ``cap_bytes`` each (a bigger tensor gets its own), one dtype."""
     buckets: list[list[nn.Parameter]] = []
     size = 0
@@ -317,6 +317,10 @@ class BucketedDDP(_HookedDDP):
     of backward. Small buckets start communicating sooner but pay alpha more often; 25 MiB is torch's
     default. Sweep ``bucket_mb`` in notebook 03 to see both ends.
 
+    ``bucket_mb=None``: one bucket holding every gradient (one per dtype if the model mixes dtypes), so its one
+    all-reduce starts once backward has produced the last gradient: ``FlatDDP``'s single collective, without
+    its copies (the gradients are views of the bucket), and with nothing left to overlap.
+
     ``gradient_as_bucket_view=True`` (the default here) makes each ``.grad`` a view into its bucket: the
     all-reduce result *is* the gradient, with no copy out and no second gradient-sized buffer, and the next
     backward accumulates straight into the bucket. It needs ``.grad`` to stay that tensor: zero gradients
@@ -325,11 +329,12 @@ class BucketedDDP(_HookedDDP):
     ``gradient_as_bucket_view=False``, which also copies the result back out).
     """
 
-    def __init__(self, module: nn.Module, group: Any = None, bucket_mb: float = 25.0,
+    def __init__(self, module: nn.Module, group: Any = None, bucket_mb: float | None = 25.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True) -> None:
-        if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
-        self.bucket_mb = float(bucket_mb)
+        if bucket_mb is not None and (not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool)
+                                      or bucket_mb <= 0):
+            raise ValueError(f"bucket_mb must be a positive number of MiB, or None for one bucket, got {bucket_mb!r}")
+        self.bucket_mb = None if bucket_mb is None else float(bucket_mb)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         super().__init__(module, group, find_unused_parameters)
         self._bucket_buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
@@ -355,7 +360,8 @@ class BucketedDDP(_HookedDDP):
         return [[names[id(p)] for p in bucket] for bucket in self._units]
 
     def _build_units(self) -> list[list[nn.Parameter]]:
-        return _bucket_params(list(reversed(self._grad_params)), int(self.bucket_mb * _MB))
+        cap = float("inf") if self.bucket_mb is None else int(self.bucket_mb * _MB)
+        return _bucket_params(list(reversed(self._grad_params)), cap)
 
     def _stage(self, p: nn.Parameter) -> None:
         slot = self._slot[id(p)]
@@ -385,9 +391,10 @@ class BucketedDDP(_HookedDDP):
                 p.grad.copy_(self._slot[id(p)])
 
 
-def make_ddp(module: nn.Module, kind: str, group: Any = None, bucket_mb: float = 25.0,
+def make_ddp(module: nn.Module, kind: str, group: Any = None, bucket_mb: float | None = 25.0,
              **kwargs: Any) -> _DataParallel:
-    """Wrap ``module`` in the data-parallel wrapper named ``kind`` (one of ``DDP_KINDS``)."""
+    """Wrap ``module`` in the data-parallel wrapper named ``kind`` (one of ``DDP_KINDS``); ``bucket_mb`` is
+    ``BucketedDDP``'s (None: one bucket for every gradient) and is ignored by the other kinds."""
     if kind == "naive":
         return NaiveDDP(module, group, **kwargs)
     if kind == "flat":

@@ -220,12 +220,12 @@ class ActivationMeter:
 
     @contextmanager
     def saving(self, stage: int, mb: int) -> Iterator[None]:
-        """Count what autograd saves inside the block (parameters and views of them are not activations)."""
+        """Count what autograd saves inside the block: not parameters, views of them, or autocast's copies of
+        them in the compute dtype (``trace.is_parameter_bytes``, the ledger's own rule)."""
         saved: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            base = t._base if t._base is not None else t
-            if not isinstance(base, nn.Parameter):
+            if not trace.is_parameter_bytes(t):
                 saved.append(t)
             return t
 

@@ -23,7 +23,8 @@ Where each idea lives (read them in this order):
 ``flat.py``           the flat-bucket layout all stages share: ``_Bucket``, bucketing, step pieces, sizes
 ``optimizer.py``      ``ZeroOptimizer``: stage 1's sharded step and all-gather, clipping over shards, stage 3's step
 ``gradients.py``      stage 2: each bucket's gradient reduce-scattered into the shard while backward runs
-``fully_sharded.py``  stage 3: ``FullyShardedModel``, ``default_units``, per-unit gather / free / reduce-scatter
+``fully_sharded.py``  stage 3: ``FullyShardedModel``, its units (``default_units``, ``units_from_policy``),
+                      per-unit gather / free / reduce-scatter, replicated parameters, state dicts by name
 ``offload.py``        ZeRO-Offload: host copies (pinned on CUDA) and the optimizer's master shards
 
 Why this split: one file per idea, named after it, rather than one per stage number. Stages 1 and 2 differ
@@ -47,7 +48,8 @@ per step and purpose come straight from ``trace.comms``.
 
 from workbench.parallel.zero.flat import DEFAULT_BUCKET_MB
 from workbench.parallel.zero.flat import STEP_CHUNK_BYTES as STEP_CHUNK_BYTES  # public, though not in __all__
-from workbench.parallel.zero.fully_sharded import FullyShardedModel, default_units
+from workbench.parallel.zero.fully_sharded import FullyShardedModel, default_units, units_from_policy
 from workbench.parallel.zero.optimizer import VALID_STAGES, ZeroOptimizer
 
-__all__ = ["DEFAULT_BUCKET_MB", "VALID_STAGES", "FullyShardedModel", "ZeroOptimizer", "default_units"]
+__all__ = ["DEFAULT_BUCKET_MB", "VALID_STAGES", "FullyShardedModel", "ZeroOptimizer", "default_units",
+           "units_from_policy"]

@@ -14,19 +14,35 @@ moves, and the gathered unit holds, half the bytes of fp32 (bf16/fp16). The unit
 dtype without autocast (the parameters already are low precision); gradients come out in ``param_dtype``,
 are reduce-scattered in ``reduce_dtype`` and accumulate into the fp32 shard's ``.grad``.
 
-Here: ``FullyShardedModel``, ``default_units``, a unit's flat shard and transient full buffer (``_Unit``) and
-the autograd function whose backward is the moment to reduce-scatter (``_Unshard``).
+Which submodules are units (FSDP's auto-wrap policy, Zhao et al. 2023 §3.2.1): ``units=`` lists them, or
+``wrap_policy=`` picks them: a set of module types, a minimum parameter count (bottom-up, as FSDP1's
+``size_based_auto_wrap_policy``) or a callable ``(name, module) -> bool`` (``units_from_policy``). What no unit
+takes is the root unit, gathered for the whole forward: a model that ends up as the root alone saves no
+parameter memory while it computes, and the constructor warns.
+
+Replicated parameters (FSDP's ``ignored_params``): ``replicate=`` keeps chosen parameters (norms, usually:
+small, and in every unit) whole on every rank, outside the flat shards; their gradients are averaged with one
+flat all-reduce after backward, and ``ZeroOptimizer(stage=3)`` steps them fully on every rank.
+
+State dicts under the unwrapped model's names (``state_dict``, ``full_state_dict``, ``load_state_dict``): the
+keys are exactly the wrapped model's ``state_dict()`` keys, so a checkpoint reads like a DDP wrapper's.
+
+Here: ``FullyShardedModel``, ``default_units``, ``units_from_policy``, a unit's flat shard and transient full
+buffer (``_Unit``) and the autograd function whose backward is the moment to reduce-scatter (``_Unshard``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from workbench import comm, trace
 from workbench.parallel.zero.flat import _ceil_div, _queue_end_of_backward
@@ -112,12 +128,114 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     return [child for m in module.modules() if isinstance(m, nn.ModuleList) for child in m]
 
 
+#: Containers without a forward of their own: a forward hook on them never fires, so they cannot be units
+#: (FSDP1's size-based policy skips them too, ``exclude_wrap_modules``).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+VALID_WRAP_POLICIES = ("a set/tuple of nn.Module types (each submodule of such a type is a unit)",
+                       "a positive int (size-based: a submodule becomes a unit once the trainable parameters not "
+                       "already inside a smaller unit reach that many elements)",
+                       "a callable (qualified_name, module) -> bool")
+
+
+def units_from_policy(module: nn.Module, wrap_policy: Any,
+                      exclude: Iterable[nn.Parameter] = ()) -> list[nn.Module]:
+    """The submodules of ``module`` that ``wrap_policy`` makes units, parents before children (FSDP's auto-wrap
+    policies, Zhao et al. 2023 §3.2.1; the root is never listed: it takes what no unit does).
+
+    ``wrap_policy``: a set/tuple/list of ``nn.Module`` types (a bare type is read as one); a positive int,
+    FSDP1's ``size_based_auto_wrap_policy``: bottom-up, a submodule becomes a unit when its trainable
+    parameters not already inside a smaller unit reach that many elements (``exclude``: parameters that are
+    not sharded, e.g. replicated ones, do not count); or a callable ``(qualified_name, module) -> bool``.
+    None: ``default_units``. Containers without a forward (``nn.ModuleList``...) are never units."""
+    if wrap_policy is None:
+        return default_units(module)
+    named = [(n, m) for n, m in module.named_modules() if m is not module]
+    if isinstance(wrap_policy, type):
+        wrap_policy = (wrap_policy,)
+    if isinstance(wrap_policy, (set, frozenset, tuple, list)):
+        types = tuple(wrap_policy)
+        if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+            raise ValueError(f"wrap_policy {wrap_policy!r} is not valid: a collection must hold nn.Module types "
+                             f"(e.g. {{nn.Linear, Block}}); valid: {'; '.join(VALID_WRAP_POLICIES)}")
+        chosen = [m for _, m in named if isinstance(m, types)]
+    elif isinstance(wrap_policy, int) and not isinstance(wrap_policy, bool):
+        if wrap_policy <= 0:
+            raise ValueError(f"wrap_policy {wrap_policy!r}: a size-based policy needs a positive number of "
+                             f"elements; valid: {'; '.join(VALID_WRAP_POLICIES)}")
+        chosen = _size_units(module, wrap_policy, {id(p) for p in exclude})
+    elif callable(wrap_policy):
+        chosen = [m for n, m in named if wrap_policy(n, m)]
+    else:
+        raise ValueError(f"wrap_policy {wrap_policy!r} ({type(wrap_policy).__name__}) is not valid; valid: "
+                         f"{'; '.join(VALID_WRAP_POLICIES)}")
+    picked = {id(m) for m in chosen}
+    containers = [n for n, m in named if id(m) in picked and isinstance(m, _CONTAINERS)]
+    if containers and not isinstance(wrap_policy, int):
+        raise ValueError(f"wrap_policy {wrap_policy!r} picks {containers[:3]}, containers without a forward (their "
+                         "hooks never fire, so their parameters would never be gathered); pick their children")
+    return chosen
+
+
+def _size_units(module: nn.Module, min_numel: int, excluded: set[int]) -> list[nn.Module]:
+    """FSDP1's size-based policy: children first, so a submodule counts only what no unit inside it took."""
+    order = {id(m): i for i, m in enumerate(module.modules())}
+    claimed: set[int] = set(excluded)
+    chosen: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            visit(child)
+        if m is module or isinstance(m, _CONTAINERS) or any(c is m for c in chosen):  # shared: visited twice
+            return
+        free = {id(p): p.numel() for p in m.parameters() if p.requires_grad and id(p) not in claimed}
+        if sum(free.values()) >= min_numel:
+            chosen.append(m)
+            claimed.update(free)
+
+    visit(module)
+    return sorted(chosen, key=lambda m: order[id(m)])  # parents before children: the innermost unit wins
+
+
+def _replicated_params(module: nn.Module, replicate: Any) -> dict[str, nn.Parameter]:
+    """``replicate`` resolved to {name: parameter} of trainable parameters (first name of a tied one).
+
+    ``replicate``: None; an iterable of parameters or of their qualified names (``module.named_parameters``);
+    or a callable ``(name, param) -> bool``. Frozen parameters are replicated anyway and are skipped."""
+    if replicate is None:
+        return {}
+    named = dict(module.named_parameters())
+    aliases = dict(module.named_parameters(remove_duplicate=False))
+    first_name = {id(p): n for n, p in named.items()}
+    if callable(replicate):
+        picked = [p for n, p in aliases.items() if replicate(n, p)]
+    elif isinstance(replicate, (str, torch.Tensor)) or not isinstance(replicate, Iterable):
+        raise ValueError(f"replicate {replicate!r} is not valid; valid: an iterable of parameters or of their "
+                         "qualified names (e.g. ['ln_f.weight']), or a callable (name, param) -> bool")
+    else:
+        picked = []
+        for item in replicate:
+            if isinstance(item, str):
+                if item not in aliases:
+                    raise ValueError(f"replicate names {item!r}, which is not a parameter of the wrapped model; "
+                                     f"valid names include {list(named)[:4]}")
+                picked.append(aliases[item])
+            elif isinstance(item, nn.Parameter) and id(item) in first_name:
+                picked.append(item)
+            else:
+                raise ValueError(f"replicate holds {type(item).__name__} {str(item)[:40]!r}: each item must be a "
+                                 "parameter of the wrapped model or its qualified name")
+    return {first_name[id(p)]: p for p in picked if p.requires_grad}
+
+
 class FullyShardedModel(nn.Module):
     """ZeRO stage 3 / FSDP: every rank keeps 1/N of each unit's parameters and gathers a unit only to use it.
 
-    ``units``: the submodules sharded as one unit each (default ``default_units``); the remaining trainable
-    parameters form the root unit. A parameter used by two units (a tied weight such as GPT's wte/lm_head,
-    or one tied across two units) goes to the root unit, which is gathered for the whole forward.
+    Units: ``units`` lists the submodules sharded as one unit each, or ``wrap_policy`` picks them (a set of
+    module types, a minimum parameter count, or a callable ``(name, module) -> bool``: ``units_from_policy``);
+    neither: ``default_units`` (each child of every ``nn.ModuleList``). The remaining trainable parameters form
+    the root unit. A parameter used by two units (a tied weight such as GPT's wte/lm_head, or one tied across
+    two units) goes to the root unit, which is gathered for the whole forward. If that leaves the whole model
+    as the root unit (and world > 1), a warning says so: nothing is saved while it computes.
 
     Per unit and step: all-gather before forward (the next unit's all-gather is prefetched, async, while this
     one computes), free after forward; all-gather again before backward (prefetching the previous unit's);
@@ -125,41 +243,72 @@ class FullyShardedModel(nn.Module):
     full. That is 3Ψ moved per step against DDP's 2Ψ (ZeRO §7.2.2). The reduce-scatter is synchronous inside
     autograd, so ``finish_gradient_synchronization()`` has nothing left to wait for (kept for a uniform loop).
 
-    ``named_parameters()`` yields the flat shards (``<unit>._flat_param``; frozen parameters stay replicated
-    and are yielded as they are): step them with ``ZeroOptimizer(model.parameters(), cls, stage=3)``.
-    ``full_parameters()`` all-gathers the full tensors by their original names (every rank must call it).
+    ``replicate`` (FSDP's ignored parameters): parameters kept whole, as plain ``nn.Parameter``s, on every
+    rank: an iterable of parameters or of their qualified names, or a callable ``(name, param) -> bool``
+    (e.g. ``lambda n, p: p.dim() == 1`` for norms and biases). Their gradients are averaged over ``group`` with
+    one flat all-reduce once backward ends (after the last backward of a ``no_sync`` accumulation, like the
+    shards); ``ZeroOptimizer(stage=3)`` steps them fully on every rank, so they stay bit-identical.
+
+    Names, as a DDP wrapper's (no ``module.`` prefix): ``named_parameters()`` yields each unit's flat shard
+    (``<unit>._flat_param``, ``_flat_param`` for the root) and the replicated and frozen parameters under their
+    own names: step them all with ``ZeroOptimizer(model.parameters(), cls, stage=3)``. ``state_dict()`` is
+    keyed by the wrapped model's ``state_dict()`` keys and is *sharded*: a sharded parameter's value is this
+    rank's piece of it, the 1-D slice of the flattened parameter that lies in this rank's shard (possibly
+    empty; ``shard_ranges()`` says which elements), and buffers, replicated and frozen parameters are whole.
+    ``full_state_dict()`` (every rank calls it) all-gathers the full tensors, which a plain
+    ``nn.Module.load_state_dict(strict=True)`` of the unwrapped model accepts; ``load_state_dict`` takes either
+    (per key: the parameter's full shape, or this rank's 1-D piece), and loads what ``state_dict`` gave bit-exact.
+    ``full_parameters()`` all-gathers the full parameters by their original names (every rank must call it).
     Ranks must start from identical weights (build the model with the same seed everywhere).
+
     ``mp_policy`` (a ``workbench.precision.MixedPrecision``: ``param_dtype``, ``reduce_dtype``): gather and
     compute in ``param_dtype``, reduce-scatter gradients in ``reduce_dtype``, keep the fp32 shards as masters
-    (see the module docstring); None: everything in the parameters' own dtype.
+    (see the module docstring); None: everything in the parameters' own dtype. Replicated parameters keep their
+    own dtype (a LayerNorm takes low-precision input with fp32 weights).
     ``offload_params=True`` keeps the shards (and their gradients) on ``offload_device``; each gather copies
     the shard to the compute device first. A unit run twice in one forward is not supported.
     """
 
     def __init__(self, module: nn.Module, group: Any = None, units: list[nn.Module] | None = None,
                  offload_params: bool = False, prefetch: bool = True,
-                 offload_device: str | torch.device = "cpu", mp_policy: MixedPrecision | None = None) -> None:
+                 offload_device: str | torch.device = "cpu", mp_policy: MixedPrecision | None = None, *,
+                 wrap_policy: Any = None,
+                 replicate: Iterable[nn.Parameter | str] | Callable[[str, nn.Parameter], bool] | None = None
+                 ) -> None:
         super().__init__()
         _check_mp_policy(mp_policy)
+        if units is not None and wrap_policy is not None:
+            raise ValueError(f"pass units=[...] or wrap_policy={wrap_policy!r}, not both: units lists the units "
+                             "explicitly, wrap_policy picks them")
         self.mp_policy = mp_policy
         self.module = module
         self.group = group
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         self.prefetch, self.offload_params = prefetch, offload_params
-        unit_modules = default_units(module) if units is None else list(units)
+        self._replicated = _replicated_params(module, replicate)
+        unit_modules = list(units) if units is not None else units_from_policy(module, wrap_policy,
+                                                                                self._replicated.values())
         _check_units(module, unit_modules)
         self._names = [name for name, _ in module.named_parameters()]
-        self._frozen = {name: p for name, p in module.named_parameters() if not p.requires_grad}
+        self._state_keys = list(module.state_dict().keys())  # before the parameters move into flat shards
+        pids = {id(p): name for name, p in module.named_parameters()}
+        self._canonical = {alias: pids[id(p)] for alias, p in module.named_parameters(remove_duplicate=False)}
+        self._kept = {name: p for name, p in module.named_parameters()
+                      if not p.requires_grad or name in self._replicated}  # frozen and replicated: whole
         self._units, self._where = self._build_units(unit_modules, offload_device if offload_params else None)
         self._unit_of_module = {id(u.module): u for u in self._units}
         for u in self._units:
             if u.module is not module:
                 u.module.register_forward_pre_hook(self._make_pre_forward(u))
                 u.module.register_forward_hook(self._make_post_forward(u))
+        for p in self._replicated.values():
+            p._zero_replicated = True
+            p.register_post_accumulate_grad_hook(self._on_replicated_grad)
         self._order: list[_Unit] = []
         self._last_order: list[_Unit] = list(self._units)
         self._no_sync = False
         self._callback_queued = False
+        self._warn_if_one_unit()
         self._record_memory()
 
     # -- construction ------------------------------------------------------------------------------------
@@ -171,9 +320,10 @@ class FullyShardedModel(nn.Module):
                 owner[id(sub)] = u
         uses: dict[int, list[tuple[nn.Module, str]]] = {}
         params: dict[int, nn.Parameter] = {}
+        kept = {id(p) for p in self._kept.values()}
         for m in self.module.modules():
             for local, p in m._parameters.items():
-                if p is not None and p.requires_grad:
+                if p is not None and id(p) not in kept:
                     uses.setdefault(id(p), []).append((m, local))
                     params[id(p)] = p
         assigned: dict[int, list[int]] = {}
@@ -199,6 +349,17 @@ class FullyShardedModel(nn.Module):
             m.register_parameter("_flat_param", unit.shard)
             units.append(unit)
         return units, {name: where[pid] for name, pid in name_to_pid.items() if pid in where}
+
+    def _warn_if_one_unit(self) -> None:
+        """FSDP's silent trap: with no unit but the root, every rank gathers the whole model for the whole
+        forward and backward, so sharding saves nothing while it computes (only between steps)."""
+        if self.world > 1 and self._units and all(u.module is self.module for u in self._units):
+            warnings.warn(f"FullyShardedModel: no submodule of {type(self.module).__name__} became a unit, so its "
+                          f"{sum(self._units[0].numels)} sharded parameters form one root unit, all-gathered for "
+                          "the whole forward and backward: no parameter memory is saved during forward. Pick units "
+                          "with wrap_policy= a set of module types (e.g. {nn.Linear}), a minimum parameter count "
+                          "(e.g. 100_000), or a callable (name, module) -> bool; or pass units=[...]",
+                          UserWarning, stacklevel=3)
 
     # -- forward -----------------------------------------------------------------------------------------
 
@@ -293,18 +454,42 @@ class FullyShardedModel(nn.Module):
         shard_grad = shard_grad.to(unit.dtype)  # into the fp32 master's gradient (a no-op without a policy)
         return _offload_copy(shard_grad, unit.shard.device) if unit.offloaded else shard_grad
 
+    def _on_replicated_grad(self, param: nn.Parameter) -> None:
+        """A replicated parameter's gradient is final for this backward: reduce all of them once it ends."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            _queue_end_of_backward(self._end_of_backward)
+
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         for u in self._units:
             self._wait(u)
             self._free(u)
             u.full = None
+        if not self._no_sync:
+            self._all_reduce_replicated()
         self._record_memory()
+
+    @torch.no_grad()
+    def _all_reduce_replicated(self) -> None:
+        """Average the replicated parameters' gradients over the group: one flat all-reduce (as ``FlatDDP``).
+        A parameter without a gradient on this rank joins with zeros, so every rank issues the same collective."""
+        params = list(self._replicated.values())
+        if not params or self.world == 1:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        for grad, avg in zip(grads, comm.all_reduce_coalesced(grads, op="avg", group=self.group, tag="grad"),
+                             strict=True):
+            grad.copy_(avg)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside keep each unit's full gradient locally (summed over micro-batches) instead
-        of reduce-scattering it; the first backward outside reduce-scatters the sum once."""
+        of reduce-scattering it, and leave the replicated parameters' gradients unreduced in ``.grad``; the
+        first backward outside reduces each sum once."""
         previous, self._no_sync = self._no_sync, True
         try:
             yield
@@ -366,8 +551,105 @@ class FullyShardedModel(nn.Module):
                 unit, i = self._where[name]
                 result[name] = gathered[id(unit)][i].view(unit.shapes[i]).clone()
             else:
-                result[name] = self._frozen[name].detach().clone()
+                result[name] = self._kept[name].detach().clone()
         return result
+
+    # -- names and state dicts: the unwrapped model's ----------------------------------------------------
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The shards (``<unit>._flat_param``) and the replicated and frozen parameters under their own names,
+        without a ``module.`` prefix (as the DDP wrappers)."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def shard_ranges(self) -> dict[str, tuple[int, int]]:
+        """For each sharded parameter (every name, tied ones too): the range [lo, hi) of its flattened elements
+        this rank holds, i.e. what its ``state_dict()`` value is (empty when lo == hi)."""
+        out = {}
+        for key, name in self._canonical.items():
+            if name in self._where:
+                unit, i = self._where[name]
+                lo, hi, start = self._piece(unit, i)
+                out[key] = (lo - start, hi - start)
+        return out
+
+    def _piece(self, unit: _Unit, i: int) -> tuple[int, int, int]:
+        """Where parameter ``i`` of ``unit`` meets this rank's shard: [lo, hi) in the shard, and ``start``, the
+        parameter's first element relative to the shard (so its elements [lo - start, hi - start))."""
+        start = sum(unit.numels[:i]) - self.rank * unit.shard_numel
+        lo = min(max(start, 0), unit.shard_numel)
+        return lo, max(lo, min(start + unit.numels[i], unit.shard_numel)), start
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
+        """The sharded state dict under the wrapped model's keys (see the class docstring): no communication.
+        Sharded parameters' values are views of this rank's shard (as ``nn.Module.state_dict`` gives views)."""
+        if args:
+            raise ValueError("FullyShardedModel.state_dict takes keyword arguments only (destination, prefix, "
+                             f"keep_vars), got {len(args)} positional")
+        inner = self.module.state_dict(keep_vars=keep_vars)
+        out = OrderedDict() if destination is None else destination
+        for key in self._state_keys:
+            name = self._canonical.get(key)
+            if name in self._where:
+                unit, i = self._where[name]
+                lo, hi, _ = self._piece(unit, i)
+                out[prefix + key] = unit.shard.detach()[lo:hi]
+            else:
+                out[prefix + key] = inner[key]
+        return out
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unwrapped model's full state dict, every parameter gathered whole (an all-gather per unit: every
+        rank must call it); ``nn.Module.load_state_dict(strict=True)`` of the unwrapped model accepts it."""
+        full = self.full_parameters()
+        inner = self.module.state_dict()
+        return OrderedDict((key, full[self._canonical[key]] if key in self._canonical else inner[key].detach().clone())
+                           for key in self._state_keys)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """Load ``state_dict()``'s sharded layout (bit-exact) or a full state dict of the unwrapped model: per key,
+        a value of the parameter's full shape is cut to this rank's piece, a 1-D value of this rank's piece's
+        length is that piece. A state dict of the older ``<unit>._flat_param`` layout loads as it is. No
+        communication. ``strict``: missing or unexpected keys are a ValueError naming them."""
+        if assign:
+            raise ValueError("FullyShardedModel.load_state_dict copies into its shards; assign=True is not supported")
+        if any(k.endswith("._flat_param") for k in state_dict):
+            return super().load_state_dict(state_dict, strict=strict)  # the flat-shard layout of earlier versions
+        expected = set(self._state_keys)
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise ValueError(f"state dict does not match the wrapped model: missing keys {missing[:5]}, unexpected "
+                             f"keys {unexpected[:5]}; expected the unwrapped model's keys, e.g. {self._state_keys[:3]}")
+        rest = {}
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                name = self._canonical.get(key)
+                if name in self._where:
+                    self._load_piece(key, *self._where[name], value)
+                elif key in expected:
+                    rest[key] = value
+        self.module.load_state_dict(rest, strict=False)  # buffers, replicated and frozen parameters
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _load_piece(self, key: str, unit: _Unit, i: int, value: torch.Tensor) -> None:
+        lo, hi, start = self._piece(unit, i)
+        if not torch.is_tensor(value):
+            raise ValueError(f"state dict value for {key!r} is {type(value).__name__}, not a tensor")
+        if tuple(value.shape) == tuple(unit.shapes[i]):
+            value = value.reshape(-1)[lo - start:hi - start]
+        elif value.dim() != 1 or value.numel() != hi - lo:
+            raise ValueError(f"state dict value for {key!r} has shape {tuple(value.shape)}; expected the full "
+                             f"parameter {tuple(unit.shapes[i])} or this rank's piece of it, 1-D of {hi - lo} "
+                             f"elements (rank {self.rank} of {self.world})")
+        unit.shard.detach()[lo:hi].copy_(value)
 
     # -- a model also split over other ranks (tensor / sequence parallelism) ---------------------------------
 
@@ -377,8 +659,7 @@ class FullyShardedModel(nn.Module):
             if name not in self._where:
                 continue
             unit, i = self._where[name]
-            start = sum(unit.numels[:i]) - self.rank * unit.shard_numel
-            lo, hi = max(start, 0), min(start + unit.numels[i], unit.shard_numel)
+            lo, hi, _ = self._piece(unit, i)
             if lo < hi:
                 yield unit, lo, hi, value
 
@@ -387,6 +668,8 @@ class FullyShardedModel(nn.Module):
         ``ZeroOptimizer.clip_grad_norm_`` sums this rank's shards: a unit flattens tensor-parallel shards
         (share 1) and tensors every tp rank holds whole (share 1/tp) into one shard, so the weights go per
         segment (``_zero_norm_segments`` on the shard)."""
+        for name, p in self._replicated.items():  # whole on every rank: the tensor's share as a tp rank's
+            p._zero_norm_share = float(shares.get(name, 1.0))
         for unit in self._units:
             unit.shard._zero_norm_segments = []
         for unit, lo, hi, share in self._local_segments({n: float(s) for n, s in shares.items() if s != 1.0}):
@@ -402,13 +685,16 @@ class FullyShardedModel(nn.Module):
     @torch.no_grad()
     def sum_partial_grads(self, names: Iterable[str], group: Any, tag: str) -> None:
         """Add up over ``group`` the shard-gradient segments of the parameters ``names`` (original names),
-        whose gradients are partial sums over it (sequence parallelism: each tp rank saw its own positions).
-        Every rank of ``group`` holds the same unit layout, so segment meets segment; one flat all-reduce."""
+        whose gradients are partial sums over it (sequence parallelism: each tp rank saw its own positions), and
+        the whole gradients of those that are replicated. Every rank of ``group`` holds the same unit layout and
+        the same replicated parameters, so segment meets segment; one flat all-reduce."""
+        names = list(names)
         segments = [(u, lo, hi) for u, lo, hi, _ in self._local_segments(dict.fromkeys(names))
                     if u.shard.grad is not None]
-        if not segments or comm.group_size(group) == 1:
+        whole = [self._replicated[n].grad for n in names if n in self._replicated]  # replicated: the whole grad
+        pieces = [u.shard.grad[lo:hi] for u, lo, hi in segments] + [g for g in whole if g is not None]
+        if not pieces or comm.group_size(group) == 1:
             return
-        pieces = [u.shard.grad[lo:hi] for u, lo, hi in segments]
         for piece, summed in zip(pieces, comm.all_reduce_coalesced(pieces, group=group, tag=tag), strict=True):
             piece.copy_(summed)
 
@@ -422,10 +708,11 @@ class FullyShardedModel(nn.Module):
         return {u.name: sum(u.numels) for u in self._units}
 
     def _record_memory(self) -> None:
-        shards = [u.shard for u in self._units]
-        grads = [u.shard.grad for u in self._units if u.shard.grad is not None]
-        trace.ledger_set("parameters", 0 if self.offload_params else trace.tensor_bytes(shards))
-        trace.ledger_set("gradients", 0 if self.offload_params else trace.tensor_bytes(grads))
+        held = list(self._replicated.values())  # whole on every rank, never offloaded
+        if not self.offload_params:
+            held += [u.shard for u in self._units]
+        trace.ledger_set("parameters", trace.tensor_bytes(held))
+        trace.ledger_set("gradients", trace.tensor_bytes(t.grad for t in held if t.grad is not None))
 
     def offloaded_bytes(self) -> dict[str, int]:
         """Bytes of parameter shards and their gradients kept on ``offload_device``."""
@@ -469,3 +756,6 @@ def _check_units(module: nn.Module, units: list[nn.Module]) -> None:
                              "that is not (use default_units(model) or children of model)")
         if u is module:
             raise ValueError("the wrapped model itself is the root unit; list only its submodules in units")
+        if isinstance(u, _CONTAINERS):
+            raise ValueError(f"a {type(u).__name__} cannot be a unit: it has no forward, so its hooks never fire and "
+                             "its parameters would never be gathered; list its children instead")

@@ -88,8 +88,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     * 2: gradients sharded too. Post-accumulate-grad hooks reduce-scatter (average) each bucket into this
       rank's gradient shard as soon as its last gradient is final, in reverse order while backward still
       runs, and free the full ``.grad``. Use *without* a DDP wrapper.
-    * 3: ``params`` must be the shards of a ``FullyShardedModel``, whose backward already reduce-scattered
-      the gradients: ``step()`` only updates the local shards.
+    * 3: ``params`` must be the parameters of a ``FullyShardedModel``: its shards, whose backward already
+      reduce-scattered the gradients, and its replicated parameters (``replicate=``), whose gradients it
+      all-reduced: ``step()`` updates the local shards and steps the replicated parameters whole on every rank
+      (the same averaged gradient everywhere, so they stay identical). Clipping counts each replicated
+      parameter once (on rank 0 of ``group``), not once per rank.
 
     Gradient accumulation: either accumulate into the shard (call backward K times; stage 2 reduce-scatters
     every micro-batch and sums into the shard), or wrap the first K−1 backwards in ``no_sync()`` (stage 2
@@ -294,9 +297,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _owned_grads(self) -> list[tuple[torch.Tensor, float]]:
         """(gradient shard, this rank's share of its squared norm) of everything this rank steps."""
         if self.stage == 3:  # FullyShardedModel.set_norm_shares may have weighted segments of a shard
-            return [(t.grad[lo:hi], share) for t in self._sharded if t.grad is not None
-                    for lo, hi, share in getattr(t, "_zero_norm_segments", None) or [(0, t.numel(), 1.0)]]
+            out = []
+            for t in (t for t in self._sharded if t.grad is not None):
+                if getattr(t, "_zero_replicated", False):
+                    out.append(self._replicated_grad(t))
+                    continue
+                segments = getattr(t, "_zero_norm_segments", None) or [(0, t.numel(), 1.0)]
+                out += [(t.grad[lo:hi], share) for lo, hi, share in segments]
+            return out
         return [(b.shard_grad, b.norm_share) for b in self.buckets if b.shard_grad is not None]
+
+    def _replicated_grad(self, t: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """A stage-3 replicated parameter is whole on every rank of ``group``: only rank 0 counts its squared
+        norm, so the all-reduce over ``group`` adds it once (times its tp share, ``set_norm_shares``)."""
+        return t.grad, (float(getattr(t, "_zero_norm_share", 1.0)) if self.rank == 0 else 0.0)
 
     @torch.no_grad()
     def unscale_grads_(self, factor: float) -> list[torch.Tensor]:
@@ -431,8 +445,10 @@ def _check_own_keys(stage: int, groups: list[dict[str, Any]]) -> None:
 
 def _check_stage_matches_params(stage: int, groups: list[dict[str, Any]]) -> None:
     shards = [getattr(p, "_zero_shard", False) for g in groups for p in g["params"]]
-    if stage == 3 and not all(shards):
-        raise ValueError("stage=3 steps the shards of a FullyShardedModel: wrap the model first and pass "
-                         "FullyShardedModel(model).parameters(), or use stage 1 or 2 for plain parameters")
+    replicated = [getattr(p, "_zero_replicated", False) for g in groups for p in g["params"]]
+    if stage == 3 and not all(s or r for s, r in zip(shards, replicated, strict=True)):
+        raise ValueError("stage=3 steps the shards (and replicated parameters) of a FullyShardedModel: wrap the "
+                         "model first and pass FullyShardedModel(model).parameters(), or use stage 1 or 2 for plain "
+                         "parameters")
     if stage < 3 and any(shards):
         raise ValueError(f"stage={stage} got the flat shards of a FullyShardedModel; use stage=3 for those")
