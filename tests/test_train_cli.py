@@ -97,8 +97,11 @@ def test_run_writes_summary_and_report(tmp_path) -> None:
     assert summary["config"]["nproc"] == 2 and len(summary["losses"]) == 4
     assert len(summary["final_params_sha256"]) == 64 and summary["tokens_per_s"] > 0
     assert summary["losses"][-1] < summary["losses"][0]
+    assert all(0 <= m["data_wait_s"] <= m["step_time_s"] for m in summary["history"]), "data wait: a part of a step"
+    assert summary["data_wait_s"] <= summary["step_time_s"]
     report = (tmp_path / "report.html").read_text()
     assert "rank 1" in report and "all_reduce" in report and "plotly" in report.lower()
+    assert "data wait (s)" in report
     traces = json.loads((tmp_path / "traces.json").read_text())
     spans = {s["category"] for s in traces[1]["spans"]}
     assert {"forward", "backward", "optimizer"} <= spans

@@ -229,6 +229,7 @@ def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, A
         "config": _recorded_config(cfg), "strategy": rank0["strategy"], "n_params": rank0["n_params"],
         "losses": [m["loss"] for m in history], "tokens_per_s": statistics.median(steady),
         "step_time_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
+        "data_wait_s": statistics.median(m.get("data_wait_s", 0.0) for m in history[1:] or history),
         "final_params_sha256": rank0["final_params_sha256"], "history": history,
         "placement": rank0.get("placement"),
         "checkpoint": rank0.get("checkpoint"),

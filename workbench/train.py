@@ -452,8 +452,9 @@ class Trainer:
         lr = lr_at(self.step_index, cfg)
         for group in s.optimizer.param_groups:
             group["lr"] = lr
-        with trace.span("data", "data"):
+        with trace.span("data", "data"):  # the input pipeline's share of the step (a starved GPU waits here)
             x, y = self.dataset.get(self.sampler.indices(self.step_index + self.data_skip), device=self.device)
+        data_wait = time.time() - t0
         local_loss = s.forward_backward(x, y)  # the strategy owns its micro-batches (accumulation or a pipeline)
         with trace.span("grad sync wait", "wait"):
             s.finish_grad_sync()
@@ -466,7 +467,7 @@ class Trainer:
         comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="metrics")
         elapsed = time.time() - t0
         metrics = {"step": self.step_index, "loss": loss.item(), "grad_norm": stepped["grad_norm"], "lr": lr,
-                   "step_time_s": elapsed, "tokens_per_s": self.tokens_per_step / elapsed,
+                   "step_time_s": elapsed, "data_wait_s": data_wait, "tokens_per_s": self.tokens_per_step / elapsed,
                    "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"]}
         if tracer is not None:
             tracer.record_metrics(metrics)

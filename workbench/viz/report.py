@@ -123,10 +123,12 @@ def _restart_step(restart: dict[str, Any]) -> int | None:
 def metric_curves(history: Sequence[dict[str, Any]]) -> go.Figure:
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("grad norm (before clipping)", "learning rate",
-                                                        "tokens/s"))
+    keys = {"grad_norm": "grad norm (before clipping)", "lr": "learning rate", "tokens_per_s": "tokens/s",
+            "data_wait_s": "data wait (s): fetching the batch"}
+    keys = {k: title for k, title in keys.items() if all(k in m for m in history)}  # older runs lack data_wait_s
+    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=list(keys.values()))
     steps = [m["step"] for m in history]
-    for col, key in enumerate(("grad_norm", "lr", "tokens_per_s"), start=1):
+    for col, key in enumerate(keys, start=1):
         fig.add_trace(go.Scatter(x=steps, y=[m[key] for m in history], mode="lines", name=key), row=1, col=col)
     fig.update_layout(height=300, showlegend=False)
     return fig
