@@ -8,6 +8,10 @@ Rows:
   ``AsyncCheckpointer.save`` until it returns (it snapshots every tensor to fresh CPU memory, then a writer
   thread persists it) against ``dcp.async_save``'s return time (it stages to CPU, then saves in a thread).
   Each side's background write is waited for outside the timed region, before the next repeat. Goal <= 1.0.
+  Ours copies into the previous save's CPU tensors (``reuse_staging``: allocated and touched once); DCP's
+  default stages into fresh CPU memory at every save. DCP's own cache (``async_stager=BlockingAsyncStager(
+  cache_staged_state_dict=True)``) pins its buffers, which needs an accelerator ("Cannot access accelerator
+  device" on a CPU-only torch): it is the fair reference on a GPU machine, not measurable here.
 
 The state (what a ZeRO-3 rank holds): the 10.8 M-parameter "bench" GPT's parameters, each flattened, padded
 to a multiple of the world size and cut into one shard per rank, plus AdamW's exp_avg / exp_avg_sq of that

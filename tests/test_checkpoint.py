@@ -246,6 +246,37 @@ def test_async_save_writes_the_snapshot_not_later_mutations(tmp_path: Path) -> N
     _assert_same(expected, ck.load(path))
 
 
+def test_async_saves_reuse_the_staging_memory_and_write_each_steps_values(tmp_path: Path) -> None:
+    """From the second save on, the snapshot is copied into the first one's CPU tensors (no new allocation), and
+    each checkpoint still holds the values of its own step, not later ones."""
+    state = _trained_state()
+    with ck.AsyncCheckpointer(tmp_path, keep=3) as saver:
+        expected, storages = {}, []
+        for step in (1, 2, 3):
+            for t in state["model"].values():  # a training step, in place
+                t.add_(1.0)
+            expected[step] = ck.snapshot_to_cpu(state)
+            saver.save(step, state)
+            storages.append({t.untyped_storage().data_ptr() for t in saver._staging["model"].values()})
+        saver.wait()
+        fresh = ck.AsyncCheckpointer(tmp_path / "fresh", reuse_staging=False)
+        fresh.save(1, state)
+        first = {t.untyped_storage().data_ptr() for t in fresh._staging["model"].values()}
+        fresh.save(2, state)
+        assert first != {t.untyped_storage().data_ptr() for t in fresh._staging["model"].values()}
+        fresh.close()
+    assert storages[0] == storages[1] == storages[2], "the staging tensors were reallocated"
+    for step in (1, 2, 3):
+        _assert_same(expected[step], ck.load(tmp_path / f"step-{step:06d}"))
+
+
+def test_snapshot_into_staging_of_another_shape_allocates() -> None:
+    staging = {"w": torch.zeros(3), "b": [torch.zeros(2)]}
+    out = ck.snapshot_to_cpu({"w": torch.ones(4), "b": [torch.ones(2)]}, staging)
+    assert out["w"].shape == (4,) and out["w"] is not staging["w"]
+    assert out["b"][0] is staging["b"][0] and out["b"][0].tolist() == [1.0, 1.0]
+
+
 def test_async_at_most_one_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     release, started = threading.Event(), threading.Event()
     writing = []

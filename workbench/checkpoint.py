@@ -460,25 +460,33 @@ def _tied_to(names: Mapping[str, torch.nn.Parameter], name: str, full: Mapping[s
 
 # -- async save ---------------------------------------------------------------------------------------------------
 
-def snapshot_to_cpu(state: Any) -> Any:
+def snapshot_to_cpu(state: Any, staging: Any = None) -> Any:
     """A copy of ``state`` whose tensors are fresh CPU tensors (containers rebuilt, plain values shared).
 
     Copies even CPU tensors, so the caller may go on mutating its own in place (optimizer.step) while the
     copy is written; a copy also drops any larger storage a view points into, which torch.save would write whole.
+
+    ``staging``: an earlier snapshot nobody reads any more; wherever it has a CPU tensor of the same shape and
+    dtype at the same place, the copy goes into that tensor instead of new memory (DCP's cached staging, as
+    ``async_save`` does with ``cache_staged_state_dict``): no allocation and no first-touch page faults, so
+    the training loop's stall is one memcpy of the state.
     """
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        reusable = (isinstance(staging, torch.Tensor) and staging.device.type == "cpu" and staging.shape == state.shape
+                    and staging.dtype == state.dtype and staging.is_contiguous())
+        return staging.copy_(state.detach()) if reusable else state.detach().to("cpu", copy=True)
     if isinstance(state, Mapping):
-        out = {k: snapshot_to_cpu(v) for k, v in state.items()}
+        old = staging if isinstance(staging, Mapping) else {}
+        out = {k: snapshot_to_cpu(v, old.get(k)) for k, v in state.items()}
         if isinstance(state, collections.OrderedDict):  # a state_dict: keep its type and version _metadata
             out = collections.OrderedDict(out)
             if hasattr(state, "_metadata"):
                 out._metadata = copy.deepcopy(state._metadata)
         return out
-    if isinstance(state, list):
-        return [snapshot_to_cpu(v) for v in state]
-    if isinstance(state, tuple):
-        return tuple(snapshot_to_cpu(v) for v in state)
+    if isinstance(state, (list, tuple)):
+        old = staging if isinstance(staging, (list, tuple)) and len(staging) == len(state) else [None] * len(state)
+        copied = [snapshot_to_cpu(v, o) for v, o in zip(state, old, strict=True)]
+        return copied if isinstance(state, list) else tuple(copied)
     return state
 
 
@@ -487,8 +495,11 @@ class AsyncCheckpointer:
 
     ``save(step, state)`` first waits for the previous save to finish (re-raising its error, if any), then
     snapshots ``state`` to CPU in the caller and hands the copy to the writer thread, and returns: the training
-    loop stalls only for the previous save's remainder plus the copy. ``wait()`` blocks until the save in flight
-    is done and returns its directory; ``close()`` waits and stops the thread (also on ``with`` exit).
+    loop stalls only for the previous save's remainder plus the copy. With ``reuse_staging`` (the default) each
+    snapshot after the first copies into the previous one's CPU tensors (same structure, shapes and dtypes),
+    which the writer has finished with by then: the memory is allocated and touched once, not at every save
+    (it stays allocated, one state's worth, until the checkpointer is dropped). ``wait()`` blocks until the save
+    in flight is done and returns its directory; ``close()`` waits and stops the thread (also on ``with`` exit).
 
     Coordination without collectives: the writer thread must not call a collective (it would interleave with
     the training loop's own collectives on the same process group), so by default rank 0's thread waits for
@@ -498,7 +509,7 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int | None = None, rank: int | None = None,
-                 world_size: int | None = None, shard_timeout: float = 300.0) -> None:
+                 world_size: int | None = None, shard_timeout: float = 300.0, reuse_staging: bool = True) -> None:
         self.rank, self.world_size = _dist_rank_world(rank, world_size)
         self.keep = _check_keep(keep)
         if not isinstance(shard_timeout, (int, float)) or shard_timeout <= 0:
@@ -508,6 +519,8 @@ class AsyncCheckpointer:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="checkpoint-writer")
         self._inflight: concurrent.futures.Future | None = None
+        self.reuse_staging = bool(reuse_staging)
+        self._staging: Any = None  # the last snapshot: its CPU tensors are reused by the next one
 
     def save(self, step: int, state: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None) -> None:
         """Snapshot ``state`` and start writing it as step ``step``; returns once the snapshot is taken."""
@@ -517,8 +530,9 @@ class AsyncCheckpointer:
         self.wait()  # one in flight: the previous save finishes (or raises) before the next snapshot is taken
         if self._pool is None:
             raise RuntimeError("this AsyncCheckpointer is closed; create a new one")
-        snapshot = snapshot_to_cpu(state)
-        self._inflight = self._pool.submit(self._write, step, snapshot, dict(meta or {}))
+        # The previous snapshot is written (wait() above), so its CPU tensors are free: copy into them.
+        self._staging = snapshot_to_cpu(state, self._staging if self.reuse_staging else None)
+        self._inflight = self._pool.submit(self._write, step, self._staging, dict(meta or {}))
 
     @property
     def in_flight(self) -> bool:
