@@ -350,7 +350,10 @@ def test_live_dashboard_updates_while_training_and_stops(lab: Lab, browser: obje
         status = panel.locator(".widget-html-content", has_text=re.compile(r"step \d+ of"))
         figure = panel.locator(".js-plotly-plot").first
         figure.wait_for(timeout=60_000)
-        first = _live_state(page, status)
+        deadline = time.time() + 60  # the ranks start, train a step, and the first redraw reaches the page
+        while (first := _live_state(page, status))[0] < 1 or first[1] < 1:
+            assert time.time() < deadline, f"the dashboard drew no step within 60 s: {first}"
+            page.wait_for_timeout(250)
         deadline = time.time() + 60
         while (now := _live_state(page, status))[0] <= first[0] + 2 and time.time() < deadline:
             page.wait_for_timeout(500)
