@@ -103,11 +103,11 @@ def absolute_paths(text: str) -> list[str]:
     return [m.group(0) for m in ABSOLUTE.finditer(URL.sub(" ", text))]
 
 
-def _parameters(path: Path) -> list[tuple[int, nbformat.NotebookNode]]:
+def parameters_cells(path: Path) -> list[tuple[int, nbformat.NotebookNode]]:
     return [(i, c) for i, c in enumerate(_cells(path)) if "parameters" in c.get("metadata", {}).get("tags", [])]
 
 
-def _assigned(source: str) -> list[str]:
+def assigned_names(source: str) -> list[str]:
     names = []
     for node in ast.parse(source).body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
@@ -131,12 +131,12 @@ def _used_names(source: str) -> set[str]:
 
 def unused_parameters(path: Path) -> list[str]:
     cells = _cells(path)
-    [(index, params)] = _parameters(path)
+    [(index, params)] = parameters_cells(path)
     used: set[str] = set()
     for i, c in enumerate(cells):
         if c.cell_type == "code" and i != index:
             used |= _used_names(c.source)
-    return [name for name in dict.fromkeys(_assigned(params.source)) if name not in used]
+    return [name for name in dict.fromkeys(assigned_names(params.source)) if name not in used]
 
 
 ALL = NOTEBOOKS + LABS
@@ -152,7 +152,7 @@ def test_every_reference_points_at_something_that_exists(path: Path):
 
 @pytest.mark.parametrize("path", ALL, ids=IDS)
 def test_exactly_one_parameters_cell_and_every_parameter_is_used(path: Path):
-    params = _parameters(path)
+    params = parameters_cells(path)
     assert len(params) == 1, (f"{path.parent.name}/{path.name}: {len(params)} cells tagged 'parameters' "
                               f"(cells {[i for i, _ in params]}); papermill needs exactly one")
     [(index, cell)] = params

@@ -10,11 +10,10 @@ This second run of every notebook (about 3 minutes on 2 quiet cores) is the *ext
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
-import nbformat
 import pytest
+from test_notebook_hygiene import assigned_names, parameters_cells  # the hygiene test's reading of the cell
 
 papermill = pytest.importorskip("papermill")
 
@@ -45,10 +44,8 @@ def _notebook(number: str) -> Path:
 
 def _parameter_names(path: Path) -> set[str]:
     """The names the ``parameters`` cell assigns (``DP, TP, PP = 2, 2, 2`` included)."""
-    nb = nbformat.read(path, as_version=4)
-    (cell,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
-    targets = [t for node in ast.parse(cell.source).body if isinstance(node, ast.Assign) for t in node.targets]
-    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    [(_, cell)] = parameters_cells(path)
+    return set(assigned_names(cell.source))
 
 
 def test_every_notebook_has_overrides_of_its_own_parameters() -> None:

@@ -328,15 +328,9 @@ def check_resumable(cfg: RunConfig, saved: dict[str, Any] | None, path: str | Pa
 
 def layout_changes(cfg: RunConfig, saved: dict[str, Any]) -> list[str]:
     """The layout fields in which ``cfg`` differs from a checkpoint's run config (empty: same layout)."""
-    mine, defaults = checkpoint_config(cfg), {f.name: f for f in fields(RunConfig)}
-
-    def saved_value(k: str) -> Any:  # a checkpoint older than a field has that field's default
-        if k in saved:
-            return saved[k]
-        f = defaults[k]
-        return f.default_factory() if f.default_factory is not MISSING else f.default
-
-    return [f"{k}: {saved_value(k)!r} -> {mine[k]!r}" for k in LAYOUT_FIELDS if saved_value(k) != mine[k]]
+    mine = checkpoint_config(cfg)
+    return [f"{k}: {_effective(saved, k)!r} -> {mine[k]!r}" for k in LAYOUT_FIELDS
+            if _effective(saved, k) != _effective(mine, k)]
 
 
 def prepare_resharded_resume(cfg: RunConfig) -> str | None:
@@ -374,10 +368,14 @@ def _consolidate_rank(cfg: RunConfig, path: str) -> None:
 
 
 def _effective(config: dict[str, Any], key: str) -> Any:
-    """``seq_len=None`` means the preset's: compare what the model gets, not how it was spelt."""
+    """``seq_len=None`` means the preset's: compare what the model gets, not how it was spelt. A field the config
+    lacks (a checkpoint saved before the field existed) has the field's default."""
     if key == "seq_len" and config.get(key) is None and config.get("model") in PRESETS:
         return GPTConfig.preset(config["model"]).seq_len
-    return config.get(key)
+    if key not in config:
+        f = next(f for f in fields(RunConfig) if f.name == key)
+        return f.default_factory() if f.default_factory is not MISSING else f.default
+    return config[key]
 
 
 def _positive_int(name: str, value: Any) -> None:
