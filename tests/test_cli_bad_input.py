@@ -31,6 +31,8 @@ NO_CUDA = not torch.cuda.is_available()
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--backend", "mpi"], "invalid choice: 'mpi'"),
     (["--port", "70000"], "port must be an int in 0..65535"),
+    (["--bucket-mb", "0"], "expected a positive number of MiB or 'none' (one bucket), got '0'"),
+    (["--bucket-mb", "lots"], "expected a positive number of MiB or 'none' (one bucket), got 'lots'"),
 ])
 def test_bad_flag_is_one_line_before_spawning(flags: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as info:

@@ -107,6 +107,14 @@ def test_run_writes_summary_and_report(tmp_path) -> None:
     assert {"forward", "backward", "optimizer"} <= spans
 
 
+def test_cli_bucket_mb_none_is_one_bucket(tmp_path) -> None:
+    """``--bucket-mb none`` reaches the config as None (BucketedDDP's one bucket) and the run trains."""
+    assert main(["run", "--nproc", "2", "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--no-progress",
+                 "--bucket-mb", "none", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["bucket_mb"] is None and len(summary["losses"]) == 2
+
+
 def test_same_seed_same_run_different_seed_differs(baseline: dict) -> None:
     again = run_training(RunConfig(nproc=1, steps=4, batch_size=8, seq_len=32), progress=False)
     assert again["losses"] == baseline["losses"]
@@ -117,7 +125,8 @@ def test_same_seed_same_run_different_seed_differs(baseline: dict) -> None:
 
 STRATEGIES = [
     dict(nproc=2, ddp="naive"), dict(nproc=2, ddp="flat"), dict(nproc=2, ddp="overlap"),
-    dict(nproc=2, ddp="bucketed", bucket_mb=0.05), dict(nproc=4, ddp="bucketed"),
+    dict(nproc=2, ddp="bucketed", bucket_mb=0.05), dict(nproc=2, ddp="bucketed", bucket_mb=None),
+    dict(nproc=4, ddp="bucketed"),
     dict(nproc=2, grad_accum=2), dict(nproc=2, zero=1), dict(nproc=2, zero=2), dict(nproc=2, zero=3),
     dict(nproc=4, zero=3, grad_accum=2), dict(nproc=2, zero=3, offload=True), dict(nproc=2, zero=1, offload=True),
     dict(nproc=2, tp=2), dict(nproc=4, tp=2, ddp="bucketed"), dict(nproc=4, tp=2, zero=1, grad_accum=2),

@@ -58,7 +58,8 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--clip", type=float, default=1.0, help="max global grad norm (0 disables)")
     p.add_argument("--seed", type=int, default=0, help="fixes model init and data order")
     p.add_argument("--ddp", choices=DDP_KINDS, default="bucketed", help="gradient synchronisation")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--bucket-mb", type=_bucket_mb, default=25.0, metavar="MIB|none",
+                   help="--ddp bucketed: cap of a gradient bucket in MiB; 'none': one bucket for every gradient")
     p.add_argument("--zero3-replicate", nargs="+", default=[], metavar="PATTERN",
                    help="--zero 3: keep the parameters these globs pick (a name such as 'ln_f.*', or a module class "
                         "such as '*norm') whole on every rank, their gradients all-reduced (FSDP's ignored params)")
@@ -366,6 +367,19 @@ def _print_summary(summary: dict[str, Any], out: str) -> None:
 
 
 CALC_DEFAULT_DP = 8  # calc without --nproc or --dp: one node of 8 devices
+
+
+def _bucket_mb(text: str) -> float | None:
+    """``--bucket-mb``: a positive number of MiB, or ``none`` for one bucket (``BucketedDDP(bucket_mb=None)``)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of MiB or 'none' (one bucket), got {text!r}")
+    return value
 
 
 def _link(text: str) -> Any:

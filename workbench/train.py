@@ -81,7 +81,7 @@ class RunConfig:
     clip: float | None = 1.0
     seed: int = 0
     ddp: str = "bucketed"
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = 25.0  # None: one bucket for every gradient
     zero: int = 0
     zero3_replicate: list[str] = field(default_factory=list)  # ZeRO-3: glob patterns of parameters kept whole
     offload: bool = False
@@ -153,8 +153,8 @@ class RunConfig:
             raise ValueError(f"ddp={self.ddp!r}; valid: {', '.join(DDP_KINDS)}")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero!r}; valid: {ZERO_STAGES}")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0 MiB, or None for one bucket, got {self.bucket_mb}")
         if self.zero3_replicate and (self.zero != 3 or self.pp > 1):
             raise ValueError(f"zero3_replicate={self.zero3_replicate!r} needs zero=3 without a pipeline (it keeps "
                              f"the parameters it names out of ZeRO-3's shards); got zero={self.zero}, pp={self.pp}")
