@@ -220,6 +220,64 @@ def test_replicated_norms_train_like_one_process_and_stay_identical_across_ranks
         assert all(torch.equal(a[n], b[n]) for n in a), "replicated parameters must be bit-identical across ranks"
 
 
+# -- replicated parameters under a mixed-precision policy ------------------------------------------------------
+
+# net.6 (a Linear) whole; net.1 (a LayerNorm) whole; net.4 (a LayerNorm) half: its weight whole, its bias sharded
+MIXED_REPLICATE = ["net.6.weight", "net.6.bias", "net.1.weight", "net.1.bias", "net.4.weight"]
+BF16_LOSS_RTOL = 2e-2  # bf16 keeps 8 mantissa bits (~4e-3 a rounding); 3 steps of a tiny regressor: <= 2.5e-3 measured
+
+
+def _mixed_replicated_rank() -> dict:
+    from workbench.precision import MixedPrecision
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = FullyShardedModel(build_seq(), wrap_policy={nn.Linear}, replicate=MIXED_REPLICATE,
+                              mp_policy=MixedPrecision(torch.bfloat16, torch.float32))
+    net = model.module.net
+    seen: dict[str, set] = {"linear": set(), "whole_norm": set(), "half_norm": set()}
+    for key, layer in (("linear", net[6]), ("whole_norm", net[1]), ("half_norm", net[4])):
+        layer.register_forward_pre_hook(lambda m, args, key=key: seen[key].add((m.weight.dtype, m.bias.dtype)))
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=3, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(*shard(mlp_batch(step), rank, world))  # fp32 features: cast to bf16 at the model's door
+        loss.float().backward()
+        opt.step()
+        losses.append(_global_loss(loss.float()))
+    named = dict(model.named_parameters())
+    replicated = {n: named[n] for n in MIXED_REPLICATE}
+    out = {"losses": losses, "seen": seen, "loss_dtype": loss.dtype,
+           "masters": {n: (p.dtype, p.grad.dtype) for n, p in replicated.items()},
+           "same_objects": net[6].weight is named["net.6.weight"] and net[4].weight is named["net.4.weight"],
+           "replicated": {n: p.detach().clone() for n, p in replicated.items()}}
+    net[6].register_forward_pre_hook(lambda m, args: 1 / 0)  # a forward that raises inside a cast module ...
+    try:
+        model(*mlp_batch(0))
+    except ZeroDivisionError:
+        pass
+    out["restored_after_error"] = type(net[6]._parameters["weight"]) is nn.Parameter  # ... leaves the master
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_replicated_parameters_compute_in_the_policy_dtype_with_fp32_masters():
+    """A replicated Linear and a half-replicated LayerNorm compute in bf16 (fp32 masters, fp32 gradients); a
+    LayerNorm replicated whole computes in fp32; the run tracks fp32 single-process training."""
+    results = launch(_mixed_replicated_rank, 2, timeout=90)
+    want_losses, _ = _seq_reference()
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for got in results:
+        assert got["seen"] == {"linear": {(bf16, bf16)}, "whole_norm": {(fp32, fp32)},
+                               "half_norm": {(bf16, bf16)}}, got["seen"]
+        assert got["loss_dtype"] == bf16
+        assert got["masters"] == {n: (fp32, fp32) for n in MIXED_REPLICATE}, got["masters"]
+        assert got["same_objects"] and got["restored_after_error"]
+        assert got["losses"] == pytest.approx(want_losses, rel=BF16_LOSS_RTOL), (got["losses"], want_losses)
+    a, b = (r["replicated"] for r in results)
+    assert all(torch.equal(a[n], b[n]) for n in a), "replicated parameters must stay bit-identical across ranks"
+
+
 def _tensor_parallel_replicated_rank() -> dict:
     """dp=2 x tp=2, ZeRO-3 over dp with SP inside: a replicated LayerNorm is whole on every rank, its gradient a
     partial sum over tp (SP) and an average over dp, and its squared norm counted once (share 1/tp per tp rank)."""

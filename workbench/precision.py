@@ -58,10 +58,14 @@ class MixedPrecision:
 
     ``param_dtype``: the dtype the all-gathered full parameter is cast to for forward and backward.
     ``reduce_dtype``: the dtype gradients are reduce-scattered in. The sharded master stays fp32.
+    ``cast_forward_inputs``: floating-point tensors passed to the sharded model's forward are cast to
+    ``param_dtype`` first (as FSDP2 does), so fp32 features meet low-precision weights in one dtype; integer
+    inputs (token ids) are left alone.
     """
 
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    cast_forward_inputs: bool = True
 
 
 @dataclass(frozen=True)

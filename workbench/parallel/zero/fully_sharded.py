@@ -196,6 +196,46 @@ def _size_units(module: nn.Module, min_numel: int, excluded: set[int]) -> list[n
     return sorted(chosen, key=lambda m: order[id(m)])  # parents before children: the innermost unit wins
 
 
+_NORM_LAYERS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+
+_CastSlots = list[tuple[str, nn.Parameter]]
+
+
+def _low_precision_slots(module: nn.Module, replicated: dict[str, nn.Parameter],
+                         param_dtype: torch.dtype) -> dict[nn.Module, _CastSlots]:
+    """The modules that must see a replicated parameter in ``param_dtype``, each with its (attribute, master) pairs.
+
+    A module's own parameters meet in one op (a Linear's weight and bias; a LayerNorm's kernel wants weight and
+    bias in one dtype), so one that mixes replicated fp32 and gathered low-precision parameters gets them all in
+    ``param_dtype``. A norm layer whose parameters are all replicated is left in fp32 (see ``FullyShardedModel``).
+    A tied parameter is listed under every module that holds it."""
+    ids = {id(p) for p in replicated.values()}
+    slots: dict[nn.Module, _CastSlots] = {}
+    for owner in module.modules():
+        own = [(name, p) for name, p in owner._parameters.items() if p is not None]
+        picked = [(name, p) for name, p in own if id(p) in ids and p.dtype != param_dtype]
+        if not picked or (isinstance(owner, _NORM_LAYERS) and all(id(p) in ids for _, p in own)):
+            continue
+        slots[owner] = picked
+    return slots
+
+
+def _cast_during_forward(owner: nn.Module, slots: _CastSlots, dtype: torch.dtype) -> None:
+    """While ``owner`` runs forward (a recomputation's rerun too), its attributes in ``slots`` are ``dtype``
+    copies of the masters; after it (even one that raised) the masters are back, under the same keys and order."""
+
+    def cast(module: nn.Module, args: Any) -> None:
+        for name, master in slots:
+            module._parameters[name] = master.to(dtype)  # a plain tensor for the forward: autograd reaches master
+
+    def restore(module: nn.Module, args: Any, output: Any) -> None:
+        for name, master in slots:
+            module._parameters[name] = master
+
+    owner.register_forward_pre_hook(cast)
+    owner.register_forward_hook(restore, always_call=True)
+
+
 def _replicated_params(module: nn.Module, replicate: Any) -> dict[str, nn.Parameter]:
     """``replicate`` resolved to {name: parameter} of trainable parameters (first name of a tied one).
 
@@ -263,8 +303,12 @@ class FullyShardedModel(nn.Module):
 
     ``mp_policy`` (a ``workbench.precision.MixedPrecision``: ``param_dtype``, ``reduce_dtype``): gather and
     compute in ``param_dtype``, reduce-scatter gradients in ``reduce_dtype``, keep the fp32 shards as masters
-    (see the module docstring); None: everything in the parameters' own dtype. Replicated parameters keep their
-    own dtype (a LayerNorm takes low-precision input with fp32 weights).
+    (see the module docstring), and cast floating-point inputs of ``forward`` to ``param_dtype`` unless the policy's
+    ``cast_forward_inputs`` is False; None: everything in the parameters' own dtype. Replicated parameters stay fp32
+    masters too and are cast to ``param_dtype`` for each forward (the cast is differentiable, so the gradient
+    arrives in fp32), except a norm layer whose parameters are all replicated: it keeps its fp32 weights (its
+    kernels take low-precision input and reduce in fp32, as mixed precision wants of normalisation: Micikevicius
+    et al. 2018, §3.3).
     ``offload_params=True`` keeps the shards (and their gradients) on ``offload_device``; each gather copies
     the shard to the compute device first. A unit run twice in one forward is not supported.
     """
@@ -295,6 +339,8 @@ class FullyShardedModel(nn.Module):
         self._canonical = {alias: pids[id(p)] for alias, p in module.named_parameters(remove_duplicate=False)}
         self._kept = {name: p for name, p in module.named_parameters()
                       if not p.requires_grad or name in self._replicated}  # frozen and replicated: whole
+        # before the shards take the sharded parameters out of their modules: a norm's own parameters are read
+        casts = _low_precision_slots(module, self._replicated, mp_policy.param_dtype) if mp_policy else {}
         self._units, self._where = self._build_units(unit_modules, offload_device if offload_params else None)
         self._unit_of_module = {id(u.module): u for u in self._units}
         for u in self._units:
@@ -304,6 +350,8 @@ class FullyShardedModel(nn.Module):
         for p in self._replicated.values():
             p._zero_replicated = True
             p.register_post_accumulate_grad_hook(self._on_replicated_grad)
+        for owner, slots in casts.items():
+            _cast_during_forward(owner, slots, mp_policy.param_dtype)
         self._order: list[_Unit] = []
         self._last_order: list[_Unit] = list(self._units)
         self._no_sync = False
@@ -368,6 +416,9 @@ class FullyShardedModel(nn.Module):
         for u in self._units:  # a forward whose backward never ran left its (emptied) buffer behind
             if u.work is None and not u.is_gathered():
                 u.full = None
+        if self.mp_policy is not None and getattr(self.mp_policy, "cast_forward_inputs", True):
+            dtype = self.mp_policy.param_dtype
+            args, kwargs = _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
         root = self._unit_of_module.get(id(self.module))
         if root is not None:
             self._pre_forward(root)
@@ -737,6 +788,19 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _tensors(o)]
     return []
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (through tuples, lists and dicts) cast to ``dtype``."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields positionally
+        return type(value)(*(_cast_floating(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _check_mp_policy(mp_policy: Any) -> None:
