@@ -60,6 +60,19 @@ def test_a_failed_rank_is_restarted_and_ends_bit_identical(fault: str, timeout: 
     assert list_steps(tmp_path / "ckpt") == [1, 3, 5]
 
 
+def test_a_restart_rendezvouses_again_on_a_fixed_port(unbroken: dict, tmp_path: Path) -> None:
+    """--port P: the restarted ranks meet on the same port the SIGKILLed attempt used, and still end
+    bit-identical (the rendezvous of the first attempt must not hold the port)."""
+    import socket
+
+    with socket.socket() as probe:  # a port free right now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    summary = _faulty(tmp_path, "kill:rank=1:step=3", max_restarts=1, port=port)
+    assert summary["final_params_sha256"] == unbroken["final_params_sha256"]
+    assert [r["attempt"] for r in summary["restarts"]] == [1]
+
+
 def test_async_checkpoints_restart_bit_identical_too(unbroken: dict, tmp_path: Path) -> None:
     """--async-ckpt: each save is snapshotted to CPU and written in a thread while the next steps train; the
     SIGKILLed run still resumes from a complete, verified checkpoint and ends bit-identical."""
