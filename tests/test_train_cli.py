@@ -26,6 +26,8 @@ LOSS_RTOL = 2e-4
     (dict(batch_size=8, nproc=2, grad_accum=3), "multiple of dp x grad_accum"),
     (dict(ddp="fast"), "ddp='fast'; valid: naive, flat, overlap, bucketed"),
     (dict(zero=4), "zero=4"),
+    (dict(bucket_mb=0), "bucket_mb must be > 0 MiB, or None for one bucket, got 0"),
+    (dict(bucket_mb="none"), "bucket_mb must be > 0 MiB, or None for one bucket, got none"),
     (dict(model="huge"), "unknown model 'huge'"),
     (dict(steps=0), "steps must be a positive int"),
     (dict(precision="fp16", init_loss_scale=0.5), "init_loss_scale must be a finite number >= 1"),

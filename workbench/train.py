@@ -153,7 +153,8 @@ class RunConfig:
             raise ValueError(f"ddp={self.ddp!r}; valid: {', '.join(DDP_KINDS)}")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero!r}; valid: {ZERO_STAGES}")
-        if self.bucket_mb is not None and not self.bucket_mb > 0:
+        mib = self.bucket_mb
+        if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0):
             raise ValueError(f"bucket_mb must be > 0 MiB, or None for one bucket, got {self.bucket_mb}")
         if self.zero3_replicate and (self.zero != 3 or self.pp > 1):
             raise ValueError(f"zero3_replicate={self.zero3_replicate!r} needs zero=3 without a pipeline (it keeps "
