@@ -30,8 +30,9 @@ import time
 from typing import Any
 
 WORLD_SIZE = 2
-#: Measured on the CPU (gloo) only so far; run.py skips this module under --device cuda.
-DEVICES = ("cpu",)
+#: Under --device cuda: NCCL, one rank per GPU, up to WORLD_SIZE (one GPU: one rank holding the whole state, from
+#: GPU memory: the device-to-host copy is then part of every save, ours and DCP's alike).
+DEVICES = ("cpu", "cuda")
 
 
 def _sharded_state(device: Any) -> dict[str, dict[str, Any]]:
@@ -41,14 +42,14 @@ def _sharded_state(device: Any) -> dict[str, dict[str, Any]]:
 
     from workbench.models import GPTConfig, build_gpt
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     model = build_gpt(GPTConfig.preset("bench"), seed=0, device=device)
     shards = {}
     for name, p in model.named_parameters():
         flat = p.detach().reshape(-1)
-        pad = -flat.numel() % WORLD_SIZE
+        pad = -flat.numel() % world
         flat = torch.cat([flat, torch.zeros(pad, dtype=flat.dtype, device=device)])
-        shards[name] = torch.nn.Parameter(flat.chunk(WORLD_SIZE)[rank].clone())
+        shards[name] = torch.nn.Parameter(flat.chunk(world)[rank].clone())
     opt = torch.optim.AdamW(shards.values(), lr=1e-4)
     g = torch.Generator(device="cpu").manual_seed(rank)
     for s in shards.values():
@@ -60,12 +61,13 @@ def _sharded_state(device: Any) -> dict[str, dict[str, Any]]:
     return state
 
 
-def _as_dtensors(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _as_dtensors(state: dict[str, dict[str, Any]], device: Any) -> dict[str, dict[str, Any]]:
     """The same local tensors, declared as shards of 1-D global tensors, so DCP writes each rank's own."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     return {part: {n: DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for n, t in tensors.items()}
             for part, tensors in state.items()}
 
@@ -84,7 +86,7 @@ def _rank(root: str, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     device = rank_device()
     state = _sharded_state(device)
-    dstate = _as_dtensors(state)
+    dstate = _as_dtensors(state, device)
     nbytes = sum(t.numel() * t.element_size() for part in state.values() for t in part.values())
     rank = torch.distributed.get_rank()
     # DCP two ways: DTensor shards (FSDP2's idiom) and plain tensors under per-rank keys; the faster is the reference.
@@ -93,6 +95,8 @@ def _rank(root: str, repeats: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in ("ours_sync", "ours_async", *(
         f"dcp_{kind}_{how}" for kind in dcp_states for how in ("sync", "async")))}
     ours_async = AsyncCheckpointer(os.path.join(root, "ours_async"))
+    # dcp.async_save coordinates its background save over a CPU-capable group: NCCL alone is refused.
+    cpu_group = torch.distributed.new_group(backend="gloo") if device.type == "cuda" else None
 
     def timed(key: str, i: int, call: Any, finish: Any = None) -> None:
         comm.barrier()
@@ -111,7 +115,8 @@ def _rank(root: str, repeats: int) -> dict[str, Any]:
         for kind, sd in dcp_states.items():
             timed(f"dcp_{kind}_sync", i, partial(dcp.save, sd, checkpoint_id=os.path.join(root, f"{kind}_sync_{i}")))
             timed(f"dcp_{kind}_async", i,
-                  partial(dcp.async_save, sd, checkpoint_id=os.path.join(root, f"{kind}_async_{i}")),
+                  partial(dcp.async_save, sd, checkpoint_id=os.path.join(root, f"{kind}_async_{i}"),
+                          process_group=cpu_group),
                   lambda future: future.result())
     ours_async.close()
     return {"times": times, "bytes": nbytes}
@@ -121,7 +126,7 @@ def _slowest(results: list[dict[str, Any]], key: str) -> list[float]:
     return [max(r["times"][key][i] for r in results) for i in range(len(results[0]["times"][key]))]
 
 
-def _row(name: str, results: list[dict[str, Any]], how: str, what: str) -> dict[str, Any]:
+def _row(name: str, results: list[dict[str, Any]], how: str, what: str, device: str) -> dict[str, Any]:
     ours = _slowest(results, f"ours_{how}")
     dcp = {kind: _slowest(results, f"dcp_{kind}_{how}") for kind in ("dtensor", "plain")}
     best = min(dcp, key=lambda kind: statistics.median(dcp[kind]))
@@ -131,7 +136,7 @@ def _row(name: str, results: list[dict[str, Any]], how: str, what: str) -> dict[
         "config": {
             "lower_is_better": True, "compared": what, "reference_is": f"DCP with {best} state (the faster of two)",
             "dcp_median_s": {kind: statistics.median(t) for kind, t in dcp.items()},
-            "world_size": WORLD_SIZE, "backend": "gloo",
+            "world_size": len(results), "backend": "nccl" if device == "cuda" else "gloo", "device": device,
             "state": "ZeRO-3-style shard of the bench GPT (10.8 M params) + AdamW exp_avg/exp_avg_sq, fp32",
             "bytes_per_rank": max(r["bytes"] for r in results), "repeats": len(ours), "warmup": 1,
             "statistic": "median of slowest rank per repeat", "storage": "local disk, temporary directory",
@@ -143,16 +148,19 @@ def _row(name: str, results: list[dict[str, Any]], how: str, what: str) -> dict[
 def rows(quick: bool) -> list[dict[str, Any]]:
     import tempfile
 
+    from harness import device_and_world  # beside this file (benchmarks/)
+
     from workbench import launch
 
     repeats = 3 if quick else 7
+    device, world = device_and_world(WORLD_SIZE)
     with tempfile.TemporaryDirectory(prefix="workbench-bench-ckpt-") as root:
-        results = launch(_rank, WORLD_SIZE, root, repeats, timeout=300)
+        results = launch(_rank, world, root, repeats, device=device, timeout=300)
     return [
         _row("ckpt_save_vs_dcp", results, "sync",
-             "workbench.checkpoint.save (atomic shards, manifest, sha256 verify) vs dcp.save, same shards"),
+             "workbench.checkpoint.save (atomic shards, manifest, sha256 verify) vs dcp.save, same shards", device),
         _row("async_ckpt_stall_vs_dcp", results, "async",
-             "AsyncCheckpointer.save return time vs dcp.async_save return time (training-loop stall)"),
+             "AsyncCheckpointer.save return time vs dcp.async_save return time (training-loop stall)", device),
     ]
 
 

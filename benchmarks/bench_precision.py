@@ -15,7 +15,8 @@ and the bf16 kernel is not faster than the fp32 one, so the casts are pure overh
 this row reports, not a defect of either side. On GPUs with tensor cores (NVIDIA Volta and later for fp16,
 Ampere and later for bf16) the theory turns around: an A100 peaks at 312 TFLOP/s dense bf16 against 19.5
 plain fp32 (156 with TF32, which PyTorch leaves off for matmuls by default), and bf16 halves the bytes of every
-activation read, so there a matmul-bound step should be markedly faster in bf16. Not measured here: no GPU.
+activation read, so there a matmul-bound step should be markedly faster in bf16: ``--device cuda`` measures it
+(the GPU lane, ``CUDA_BATCH`` sequences, so the GPU has matmuls worth the name).
 
 Regime: the 10.8 M-parameter "bench" GPT, ONE rank (``nproc=1``: ``parallelize`` picks the plain single-process
 strategy, so both sides run the same model + AdamW and differ only in our Trainer's bookkeeping),
@@ -32,9 +33,10 @@ import time
 from typing import Any
 
 WORLD_SIZE = 1
-#: Measured on the CPU only so far; run.py skips this module under --device cuda.
-DEVICES = ("cpu",)
+#: One rank: one GPU under --device cuda (bf16 on tensor cores there: the ratio the docstring predicts).
+DEVICES = ("cpu", "cuda")
 LOCAL_BATCH = 2
+CUDA_BATCH = 16  # on a GPU, 2 x 128 tokens would time kernel launches, not matmuls
 SEQ_LEN = 128
 SETUPS = ("ours_fp32", "ours_bf16", "torch_fp32", "torch_bf16")
 
@@ -49,46 +51,15 @@ def _cpu_bf16_units() -> list[str]:
     return sorted({f for f in flags if f in ("avx512_bf16", "amx_bf16", "amx_tile")})
 
 
-def _torch_side(trainer: Any, bf16: bool) -> Any:
-    """A plain-PyTorch training step on a fresh copy of the trainer's initial model: autocast (bf16) or not."""
-    import contextlib
-    import math
-
+def _rank(steps: int, warmup: int, batch: int) -> dict[str, Any]:
     import torch
-
-    from workbench.models import build_gpt
-    from workbench.train import lr_at
-
-    cfg, pcfg = trainer.cfg, trainer.parallel_config
-    model = build_gpt(cfg.gpt_config(), seed=cfg.seed, device=trainer.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=pcfg.betas)
-    device_type = torch.device(trainer.device).type
-    clip = cfg.clip if cfg.clip is not None else math.inf
-
-    def step(index: int) -> float:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(index, cfg)
-        x, y = trainer.dataset.get(trainer.sampler.indices(index), device=trainer.device)
-        opt.zero_grad(set_to_none=True)
-        amp = torch.autocast(device_type=device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with amp:
-            loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        return loss.item()
-
-    return step
-
-
-def _rank(steps: int, warmup: int) -> dict[str, Any]:
-    import torch
+    from plain_loop import plain_torch_step  # beside this file (benchmarks/)
 
     from workbench.train import RunConfig, Trainer
 
     torch.set_num_threads(1)
     total = warmup + steps
-    common = dict(model="bench", seq_len=SEQ_LEN, nproc=WORLD_SIZE, steps=total, batch_size=LOCAL_BATCH,
+    common = dict(model="bench", seq_len=SEQ_LEN, nproc=WORLD_SIZE, steps=total, batch_size=batch,
                   trace_steps=0, timeout=300.0)
     trainers = {p: Trainer(RunConfig(precision=p, **common)) for p in ("fp32", "bf16")}
 
@@ -96,8 +67,8 @@ def _rank(steps: int, warmup: int) -> dict[str, Any]:
         return lambda _index: trainers[precision].step()["loss"]
 
     run = {"ours_fp32": ours("fp32"), "ours_bf16": ours("bf16"),
-           "torch_fp32": _torch_side(trainers["fp32"], bf16=False),
-           "torch_bf16": _torch_side(trainers["fp32"], bf16=True)}
+           "torch_fp32": plain_torch_step(trainers["fp32"], bf16=False),
+           "torch_bf16": plain_torch_step(trainers["fp32"], bf16=True)}
     times: dict[str, list[float]] = {s: [] for s in SETUPS}
     losses: dict[str, list[float]] = {s: [] for s in SETUPS}
     for index in range(total):
@@ -109,7 +80,7 @@ def _rank(steps: int, warmup: int) -> dict[str, Any]:
             if index >= warmup:
                 times[name].append(elapsed)
             losses[name].append(loss)
-    return {"times": times, "losses": losses, "strategy": trainers["bf16"].strategy.describe}
+    return {"times": times, "losses": losses, "strategy": trainers["bf16"].strategy.describe, "batch": batch}
 
 
 def _row(result: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
@@ -127,7 +98,7 @@ def _row(result: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
                     "faster kernel behind them); on tensor-core GPUs (A100: 312 TFLOP/s bf16 vs 19.5 fp32, 156 "
                     "TF32) the expected ratio is well below 1 for a matmul-bound step (not measured here)",
             "model": "GPT bench (6 layers, d=384, 10.8 M params)", "world_size": WORLD_SIZE,
-            "strategy": result["strategy"], "batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "threads": 1,
+            "strategy": result["strategy"], "batch": result["batch"], "seq_len": SEQ_LEN, "threads": 1,
             "cpu_bf16_units": _cpu_bf16_units() or "none (no avx512_bf16 / amx_bf16 in /proc/cpuinfo)",
             "steps_measured": steps, "warmup": warmup, "statistic": "median step time, setups interleaved",
             **{f"median_{s}_s": med[s] for s in SETUPS},
@@ -141,10 +112,14 @@ def _row(result: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
 
 
 def rows(quick: bool) -> list[dict[str, Any]]:
+    import os
+
     from workbench import launch
 
-    steps, warmup = (4, 1) if quick else (8, 1)
-    results = launch(_rank, WORLD_SIZE, steps, warmup, timeout=300)
+    cuda = os.environ.get("WORKBENCH_DEVICE") == "cuda"
+    steps, warmup = ((50, 10) if quick else (200, 20)) if cuda else ((4, 1) if quick else (8, 1))
+    results = launch(_rank, WORLD_SIZE, steps, warmup, CUDA_BATCH if cuda else LOCAL_BATCH,
+                     device="cuda" if cuda else "cpu", timeout=300)
     return [_row(results[0], steps, warmup)]
 
 

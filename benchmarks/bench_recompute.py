@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 WORLD_SIZE = 2
-#: Measured on the CPU (gloo) only so far; run.py skips this module under --device cuda.
-DEVICES = ("cpu",)
+#: Under --device cuda: NCCL, one rank per GPU, up to WORLD_SIZE (the trade-off is per rank: one GPU shows it).
+DEVICES = ("cpu", "cuda")
 LOCAL_BATCH = 4
 SEQ_LEN = 128
 MODES = ("none", "selective", "full")
@@ -50,6 +50,7 @@ def _rank(steps: int, warmup: int) -> dict[str, Any]:
     optimizers = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-4) for m in MODES}
     tracer = trace.current()
     g = torch.Generator(device="cpu").manual_seed(1000 + rank)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # time the GPU's work, not its queueing
     times: dict[str, list[float]] = {m: [] for m in MODES}
     activations: dict[str, int] = {}
     losses: dict[str, float] = {}
@@ -67,6 +68,7 @@ def _rank(steps: int, warmup: int) -> dict[str, Any]:
             tracer.release_activations()
             model.finish_gradient_synchronization()
             opt.step()
+            sync()
             if step >= warmup:
                 times[mode].append(time.perf_counter() - t0)
             activations[mode], losses[mode] = saved, loss.item()
@@ -84,7 +86,8 @@ def theory_compute_ratio(mode: str, n_layer: int, d_model: int, seq_len: int, vo
     return (3 * forward + extra) / (3 * forward)
 
 
-def _row(name: str, mode: str, results: list[dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
+def _row(name: str, mode: str, results: list[dict[str, Any]], steps: int, warmup: int,
+         device: str) -> dict[str, Any]:
     per_step = {m: [max(r["times"][m][i] for r in results) for i in range(steps)] for m in ("none", mode)}
     ours, ref = statistics.median(per_step[mode]), statistics.median(per_step["none"])
     saved = {m: max(r["activations"][m] for r in results) for m in ("none", mode)}
@@ -94,7 +97,8 @@ def _row(name: str, mode: str, results: list[dict[str, Any]], steps: int, warmup
             "lower_is_better": True,
             "compared": f"ours with recompute={mode!r} vs ours with recompute='none' (reference = no "
                         "recomputation, not a PyTorch built-in: the trade-off itself is measured)",
-            "model": "GPT bench (6 layers, d=384, 10.8 M params)", "world_size": WORLD_SIZE, "backend": "gloo",
+            "model": "GPT bench (6 layers, d=384, 10.8 M params)", "world_size": len(results), "device": device,
+            "backend": "nccl" if device == "cuda" else "gloo",
             "wrapper": "BucketedDDP + AdamW", "per_rank_batch": LOCAL_BATCH, "seq_len": SEQ_LEN,
             "threads_per_rank": 1, "steps_measured": steps, "warmup": warmup,
             "statistic": "median of slowest rank per step",
@@ -109,12 +113,15 @@ def _row(name: str, mode: str, results: list[dict[str, Any]], steps: int, warmup
 
 
 def rows(quick: bool) -> list[dict[str, Any]]:
+    from harness import device_and_world  # beside this file (benchmarks/)
+
     from workbench import launch
 
-    steps, warmup = (4, 1) if quick else (10, 2)
-    results = launch(_rank, WORLD_SIZE, steps, warmup, timeout=300)
-    return [_row("recompute_full_cost", "full", results, steps, warmup),
-            _row("recompute_selective_cost", "selective", results, steps, warmup)]
+    device, world = device_and_world(WORLD_SIZE)
+    steps, warmup = ((20, 5) if quick else (50, 10)) if device == "cuda" else ((4, 1) if quick else (10, 2))
+    results = launch(_rank, world, steps, warmup, device=device, timeout=300)
+    return [_row("recompute_full_cost", "full", results, steps, warmup, device),
+            _row("recompute_selective_cost", "selective", results, steps, warmup, device)]
 
 
 if __name__ == "__main__":

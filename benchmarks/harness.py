@@ -165,6 +165,16 @@ def declared_devices(path: Path) -> tuple[str, ...]:
     return ("cpu",)
 
 
+def device_and_world(world_size: int) -> tuple[str, int]:
+    """Where a multi-rank bench module runs: ``("cpu", world_size)`` gloo ranks, or under ``--device cuda``
+    one NCCL rank per visible GPU, at most ``world_size`` (the row records the world it ran)."""
+    if os.environ.get(DEVICE_ENV) != "cuda":
+        return "cpu", world_size
+    import torch
+
+    return "cuda", max(1, min(world_size, torch.cuda.device_count()))
+
+
 def error_reason(exc: BaseException) -> str:
     """``<ExceptionType>: message`` on one line, as it goes into a failed row's reason."""
     message = " ".join(str(exc).split())

@@ -146,3 +146,28 @@ def test_device_cuda_fails_fast_without_a_gpu(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "torch.cuda.is_available() is False" in done.stderr
     assert "good_row" not in done.stdout
+
+
+def test_every_module_that_can_run_on_one_gpu_declares_cuda() -> None:
+    """Single-rank rows (precision, the trainer's step) and rows whose lesson holds per rank (DDP, recompute,
+    checkpoint: one NCCL rank per GPU, up to their world) run in the GPU lane; the rest need 2+ ranks that
+    exchange data to mean anything (collectives, ZeRO, TP, PP, launch)."""
+    sys.path.insert(0, str(RUN.parent))
+    from harness import declared_devices
+
+    for topic in ("precision", "trainer_step", "ddp", "recompute", "checkpoint"):
+        assert "cuda" in declared_devices(RUN.parent / f"bench_{topic}.py"), topic
+
+
+def test_multi_rank_modules_take_one_rank_per_gpu_up_to_their_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    sys.path.insert(0, str(RUN.parent))
+    from harness import DEVICE_ENV, device_and_world
+
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    assert device_and_world(2) == ("cpu", 2)
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    for gpus, world in ((1, 1), (2, 2), (8, 2)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=gpus: n)
+        assert device_and_world(2) == ("cuda", world)

@@ -33,6 +33,9 @@ NO_CUDA = not torch.cuda.is_available()
     (["--port", "70000"], "port must be an int in 0..65535"),
     (["--bucket-mb", "0"], "expected a positive number of MiB or 'none' (one bucket), got '0'"),
     (["--bucket-mb", "lots"], "expected a positive number of MiB or 'none' (one bucket), got 'lots'"),
+    (["--val-fraction", "1.5"], "val_fraction must be a number in (0, 1)"),
+    (["--val-fraction", "0"], "val_fraction must be a number in (0, 1)"),
+    (["--val-every", "2", "--val-fraction", "-0.1"], "val_fraction must be a number in (0, 1)"),
 ])
 def test_bad_flag_is_one_line_before_spawning(flags: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as info:
@@ -41,6 +44,18 @@ def test_bad_flag_is_one_line_before_spawning(flags: list[str], message: str, ca
     err = capsys.readouterr().err
     assert message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content", ["", "x"], ids=["empty", "one-byte"])
+def test_a_data_file_too_small_for_one_window_is_one_line(content: str, tmp_path, capsys) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        main(["run", "--no-progress", "--steps", "2", "--data", str(corpus)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"holds {len(content)} token(s) (bytes): too few to train on" in err, err
+    assert "-1 window" not in err
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA: --device cuda is valid here")

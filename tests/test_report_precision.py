@@ -145,7 +145,8 @@ def test_the_figures_themselves() -> None:
 
 def _device_memory(utilization: float | None) -> DeviceMemory:
     return DeviceMemory(device="cuda:0", allocated=300 * 2**20, peak_allocated=420 * 2**20, reserved=512 * 2**20,
-                        ledger_total=256 * 2**20, ledger_peak=400 * 2**20, utilization=utilization)
+                        ledger_total=256 * 2**20, ledger_peak=400 * 2**20, utilization=utilization,
+                        cublas_workspaces=32 * 2**20, batch=2**20)
 
 
 def test_report_shows_device_memory_and_utilisation_beside_the_ledger(reports: dict[str, dict],
@@ -157,11 +158,24 @@ def test_report_shows_device_memory_and_utilisation_beside_the_ledger(reports: d
     assert "measured on CUDA: ledger beside the allocator" in page
     for column, value in [("allocator now (MiB)", 300.0), ("allocator - ledger now (MiB)", 44.0),
                           ("allocator peak (MiB)", 420.0), ("allocator reserved (MiB)", 512.0),
-                          ("GPU utilisation (%)", 37.0)]:
+                          ("GPU utilisation (%)", 37.0), ("of which cuBLAS workspaces (MiB)", 32.0),
+                          ("of which the batch (MiB)", 1.0), ("unexplained (MiB)", 11.0)]:
         assert f"<th>{column}</th>" in page
         assert f"<td>{value:.3f}</td>" in page
     assert "<td>cuda:0</td>" in page
     assert "torch.cuda.utilization at the same moment" in page
+    assert "workspaces (scratch memory for matmuls" in page
+
+
+def test_a_trace_from_before_the_named_categories_loads_with_them_unknown() -> None:
+    old = Trace(rank=0, world_size=1, device_memory=_device_memory(5.0)).to_dict()
+    for key in ("cublas_workspaces", "batch"):
+        old["device_memory"].pop(key)
+    dm = Trace.from_dict(old).device_memory
+    assert dm.cublas_workspaces is None and dm.batch == 0
+    assert dm.unexplained == 44 * 2**20  # then all of allocator - ledger is unexplained
+    html = "".join(memory_section([Trace(rank=0, world_size=1, device_memory=dm)]))
+    assert "<th>of which cuBLAS workspaces (MiB)</th>" in html and "<td>unknown</td>" in html
 
 
 def test_unknown_utilisation_is_said_not_hidden() -> None:
@@ -200,17 +214,4 @@ def test_nothing_recorded_for_a_cpu_device() -> None:
     assert tracer.trace.device_memory is None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible (the GPU lane runs on a GPU "
-                                                          "machine: scripts/gpu_lane.sh)")
-def test_cuda_records_allocator_figures_and_utilisation_or_none() -> None:
-    device = torch.device("cuda", 0)
-    with trace.tracing() as tracer:
-        tracer.memory.set("parameters", 4 * 2**20)
-        held = torch.empty(2**20, device=device)  # 4 MiB the allocator counts
-        trace.record_device_memory(device)
-    dm = tracer.trace.device_memory
-    assert dm is not None and dm.device == "cuda:0"
-    assert dm.allocated >= held.numel() * held.element_size() and dm.ledger_total == 4 * 2**20
-    assert dm.reserved >= dm.allocated and dm.peak_allocated >= dm.allocated
-    assert dm.utilization is None or 0.0 <= dm.utilization <= 100.0
+# The recording itself on a GPU: tests/test_gpu.py (the GPU lane runs that file).

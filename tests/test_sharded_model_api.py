@@ -168,7 +168,7 @@ def _run_strategy(strategy, rank: int, world: int, accum_batches: int = 8) -> di
         x, y = shard(gpt_batch(step, accum_batches, seq_len=16), rank, world)
         local = strategy.forward_backward(x, y)
         strategy.finish_grad_sync()
-        norms.append(strategy.optimizer_step(MAX_NORM)["grad_norm"])
+        norms.append(float(strategy.optimizer_step(MAX_NORM)["grad_norm"]))  # a device tensor
         strategy.optimizer.zero_grad(set_to_none=True)
         losses.append(_global_loss(local) if world > 1 else float(local))
     trace.set_step(None)
@@ -288,7 +288,7 @@ def _tensor_parallel_replicated_rank() -> dict:
         x, y = shard(gpt_batch(step, 8, seq_len=16), mesh.dp_rank, mesh.dp_size)
         loss = s.forward_backward(x, y).reshape(1)
         s.finish_grad_sync()
-        norms.append(s.optimizer_step(MAX_NORM)["grad_norm"])
+        norms.append(float(s.optimizer_step(MAX_NORM)["grad_norm"]))  # a device tensor
         s.optimizer.zero_grad(set_to_none=True)
         comm.all_reduce(loss, op="avg", group=mesh.dp_group)
         losses.append(float(loss))

@@ -197,8 +197,11 @@ class DynamicLossScaler:
         grads = [g for g in grads if g is not None]
         if device is None:
             device = grads[0].device if grads else _rank_device()
-        local = any(not bool(torch.isfinite(g).all()) for g in grads)
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        # The flag is computed on the device from every gradient and read once below (one sync, as
+        # torch.amp.GradScaler makes for a non-fused optimizer), not once per gradient.
+        flag = torch.zeros(1, device=device)
+        for g in grads:
+            flag = torch.maximum(flag, (~torch.isfinite(g)).any().to(device=device, dtype=flag.dtype).reshape(1))
         for group in groups:
             comm.all_reduce(flag, op="max", group=group, tag=AMP_TAG)
         return bool(flag.item() > 0)

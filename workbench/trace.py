@@ -112,9 +112,20 @@ class DeviceMemory:
 
     ``allocated`` is ``torch.cuda.memory_allocated`` then, beside ``ledger_total`` (the ledger's sum then);
     ``peak_allocated`` is ``max_memory_allocated`` over the run, beside the ledger's ``ledger_peak``. The
-    allocator counts more than the ledger's categories (temporaries such as matmul outputs and autograd
-    intermediates, cuBLAS workspaces, rounding of each block to 512 bytes) and less than ``nvidia-smi``
-    shows (the CUDA context and the allocator's cached free blocks are not "allocated").
+    allocator counts more than the ledger's categories and less than ``nvidia-smi`` shows (the CUDA context and
+    the allocator's cached free blocks are not "allocated"). What it holds beyond the ledger at that moment is
+    named, each measured:
+
+    * ``cublas_workspaces``: cuBLAS's scratch memory, one workspace per (handle, stream) that ran a matmul,
+      allocated through torch's caching allocator at the first matmul and kept for the process's life. The
+      forward's thread and autograd's backward thread each have a handle, so a training step holds two (on an
+      H100 with torch 2.11, 32 MiB each: 65 MiB against the tiny GPT's 1.8 MiB of model states). Measured as
+      what ``torch._C._cuda_clearCublasWorkspaces()`` gives back (cuBLAS allocates them again at the next
+      matmul, from the allocator's cache); None where torch lacks that call.
+    * ``batch``: the step's input and target tensors, still referenced at the record point.
+
+    ``unexplained`` is what is left (the step's loss and grad-norm scalars, each block's rounding to 512 bytes):
+    small, and a large figure there is a leak or an uncounted category.
 
     ``utilization`` is ``torch.cuda.utilization``: the percent of time one or more kernels ran over the
     driver's last sample period (1/6 s to 1 s, as ``nvidia-smi`` shows it), taken at the same moment; a
@@ -129,6 +140,13 @@ class DeviceMemory:
     ledger_total: int
     ledger_peak: int
     utilization: float | None = None
+    cublas_workspaces: int | None = None
+    batch: int = 0
+
+    @property
+    def unexplained(self) -> int:
+        """Allocated bytes that neither the ledger nor a named category above accounts for."""
+        return self.allocated - self.ledger_total - (self.cublas_workspaces or 0) - self.batch
 
 
 @dataclass
@@ -179,6 +197,10 @@ class Tracer:
         self.trace = Trace(rank=rank, world_size=world_size)
         self.step: int | None = None
         self.enabled = True
+        #: Whether this step measures memory (saved-activation hooks, the ledger's record, the allocator and
+        #: NVML): the trainer turns it off on untraced steps after the first, whose Python hooks and NVML query
+        #: would cost host time every step for figures that do not change from step to step.
+        self.probe_memory = True
         #: Bytes per collective op since the last ``take_comm_totals``, counted even while ``enabled`` is off
         #: (two dict updates per op): what a live dashboard streams every step without a full trace.
         self.comm_totals: dict[str, int] = {}
@@ -316,18 +338,36 @@ def ledger_set(category: str, nbytes: int) -> None:
         tracer.memory.set(category, nbytes)
 
 
-def record_device_memory(device: Any) -> None:
-    """On a CUDA device, store the allocator's figures beside the ledger's (see ``DeviceMemory``)."""
+def record_device_memory(device: Any, batch_bytes: int = 0) -> None:
+    """On a CUDA device, store the allocator's figures beside the ledger's (see ``DeviceMemory``);
+    ``batch_bytes``: the step's inputs and targets, alive at this moment."""
     tracer = current()
     if tracer is None or getattr(device, "type", str(device)) != "cuda":
         return
     import torch
 
     ledger = tracer.memory
+    allocated = torch.cuda.memory_allocated(device)
     tracer.trace.device_memory = DeviceMemory(
-        device=str(device), allocated=torch.cuda.memory_allocated(device),
+        device=str(device), allocated=allocated,
         peak_allocated=torch.cuda.max_memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
-        ledger_total=ledger.total(), ledger_peak=ledger.peak_total, utilization=device_utilization(device))
+        ledger_total=ledger.total(), ledger_peak=ledger.peak_total, utilization=device_utilization(device),
+        cublas_workspaces=cublas_workspace_bytes(device), batch=int(batch_bytes))
+
+
+def cublas_workspace_bytes(device: Any) -> int | None:
+    """The bytes cuBLAS's workspaces hold on ``device``, measured by handing them back to the caching allocator
+    (``torch._C._cuda_clearCublasWorkspaces``; no sync, and the next matmul takes a workspace again from the
+    allocator's cache); None where this torch has no such call."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return None
+    with torch.cuda.device(device):
+        before = torch.cuda.memory_allocated(device)
+        clear()
+        return max(0, before - torch.cuda.memory_allocated(device))
 
 
 class _Utilization:

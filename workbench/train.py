@@ -193,6 +193,10 @@ class RunConfig:
             raise ValueError("on_spike='rollback' needs ckpt_dir (--ckpt-dir DIR): it rolls back to the newest "
                              "checkpoint")
         SpikeDetector(factor=self.spike_factor)
+        vf = self.val_fraction  # checked even without val_every: a value that could never work is a typo now
+        if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 < vf < 1:
+            raise ValueError(f"val_fraction must be a number in (0, 1) (the share of the corpus's windows held out "
+                             f"for validation, e.g. 0.1), got {vf!r}")
         if self.val_every is None:
             return
         _positive_int("val_every", self.val_every)
@@ -265,6 +269,10 @@ class RunConfig:
                              f"to use the bundled corpus")
         n_tokens = corpus_tokens(self.data)
         seq_len = self.gpt_config().seq_len
+        if n_tokens < 2:  # one window needs its inputs and the next token as a target
+            raise ValueError(f"data file {self.data!r} holds {n_tokens} token(s) (bytes): too few to train on; a "
+                             f"global batch of {self.batch_size} window(s) of seq_len={seq_len} needs at least "
+                             f"{self.batch_size * seq_len + 1}")
         windows = (n_tokens - 1) // seq_len
         if windows < self.batch_size:
             longest = (n_tokens - 1) // self.batch_size
@@ -407,6 +415,17 @@ def params_sha256(named_params: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _read_scalars(*values: torch.Tensor | float) -> list[float]:
+    """The step's scalar metrics as floats, read in ONE device-to-host copy, after the optimizer's kernels are
+    queued: the step's only host-device sync (the loss and grad norm stay on the device until here; reading the
+    norm before ``optimizer.step()`` made the host wait for the backward, and the GPU then wait for the host)."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
+
+
 _NOTHING_SAVED = -2  # rank 0's answer to a restart that finds no checkpoint: start from step 0
 
 
@@ -439,6 +458,7 @@ class Trainer:
             loss_scale_growth_interval=cfg.loss_scale_growth_interval)
         self.strategy = parallelize(model, self.mesh, self.parallel_config)
         self.step_index = 0
+        self._memory_probed = False  # see step(): memory is probed on the first step and on traced steps
         self.tokens_per_step = cfg.batch_size * model_cfg.seq_len
 
     def step(self) -> dict[str, Any]:
@@ -447,6 +467,10 @@ class Trainer:
         trace.set_step(self.step_index)
         if tracer is not None:
             tracer.enabled = self.step_index >= cfg.steps - cfg.trace_steps
+            # Memory is measured on traced steps and on this attempt's first (so ledger peaks, which a live
+            # dashboard streams, hold from the start); other steps carry no probe and no NVML query.
+            tracer.probe_memory = tracer.enabled or not self._memory_probed
+            self._memory_probed = True
         t0 = time.time()
         lr = lr_at(self.step_index, cfg)
         for group in s.optimizer.param_groups:
@@ -459,13 +483,15 @@ class Trainer:
             s.finish_grad_sync()
         with trace.span("optimizer", "optimizer"):  # fp16: unscale, agree on inf/NaN, then step or skip
             stepped = s.optimizer_step(cfg.clip if cfg.clip is not None else math.inf)
-        s.record_memory()  # before zero_grad: gradients and optimizer state are both alive here
-        trace.record_device_memory(self.device)
+        if tracer is None or tracer.probe_memory:
+            s.record_memory()  # before zero_grad: gradients and optimizer state are both alive here
+            trace.record_device_memory(self.device, batch_bytes=x.nbytes + y.nbytes)
         s.optimizer.zero_grad(set_to_none=True)
         loss = local_loss.clone()
         comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="metrics")
+        loss_value, grad_norm = _read_scalars(loss, stepped["grad_norm"])
         elapsed = time.time() - t0
-        metrics = {"step": self.step_index, "loss": loss.item(), "grad_norm": stepped["grad_norm"], "lr": lr,
+        metrics = {"step": self.step_index, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "step_time_s": elapsed, "data_wait_s": data_wait, "tokens_per_s": self.tokens_per_step / elapsed,
                    "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"]}
         if tracer is not None:

@@ -66,7 +66,10 @@ class Parallelized:
     optimizer: Any
     no_sync: Callable[[], AbstractContextManager]
     finish_grad_sync: Callable[[], None]
-    clip_grad_norm: Callable[[float], float]
+    #: ``clip_grad_norm(max_norm) -> norm``: the global norm before clipping, a 0-dim tensor on the rank's device,
+    #: never read here: turning it into a float would make the host wait for the whole backward before it may
+    #: queue the optimizer's kernels (a host-device sync that costs GPU idle time every step).
+    clip_grad_norm: Callable[[float], torch.Tensor]
     full_parameters: Callable[[], dict[str, torch.Tensor]]
     record_memory: Callable[[], None]
     describe: str
@@ -88,8 +91,10 @@ class Parallelized:
         With a loss scaler (fp16), first unscale this rank's gradients and agree with every rank of the world
         (one all-reduce MAX, tag "amp") whether any holds an inf/NaN; if so, skip the step on every rank, zero
         the gradients and back the scale off (a rank stepping alone would leave the replicas different).
-        Returns ``{"grad_norm", "skipped", "loss_scale"}``: the norm before clipping (NaN when skipped: there
-        is no finite norm) and the scale this step's backward used."""
+        Returns ``{"grad_norm", "skipped", "loss_scale"}``: the norm before clipping as a 0-dim device tensor
+        (the caller reads it once the optimizer's kernels are queued; NaN when skipped: there is no finite
+        norm) and the scale this step's backward used. fp16's inf check is the one read before the step: every
+        rank must agree whether to step (as ``torch.amp.GradScaler`` reads it for a non-fused optimizer)."""
         scale = 1.0
         if self.scaler is not None:
             scale = self.scaler.scale_value
@@ -97,7 +102,7 @@ class Parallelized:
             if not self.scaler.update(self.scaler.found_inf(grads, (None,), device=self.device)):
                 self.optimizer.zero_grad(set_to_none=True)
                 return {"grad_norm": math.nan, "skipped": True, "loss_scale": scale}
-        grad_norm = float(self.clip_grad_norm(max_norm))
+        grad_norm = self.clip_grad_norm(max_norm).detach()
         self.optimizer.step()
         return {"grad_norm": grad_norm, "skipped": False, "loss_scale": scale}
 
@@ -201,8 +206,8 @@ def _mp_policy(amp: _Precision) -> Any:
     return None if amp.policy.name == "fp32" else amp.policy.sharded()
 
 
-def _clip_replicated(model: nn.Module) -> Callable[[float], float]:
-    return lambda max_norm: float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+def _clip_replicated(model: nn.Module) -> Callable[[float], torch.Tensor]:
+    return lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 #: ZeRO stages that compose with tensor parallelism: all. ZeRO-2's buckets are built per param group, so
@@ -259,12 +264,13 @@ def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s
     runs under the policy's autocast (the model returns an fp32 loss); backward starts from the loss times
     fp16's loss scale (no-ops in fp32)."""
     tracer = trace.current()
-    with trace.span("forward", "forward"), tracer.activations() if tracer is not None else nullcontext():
+    probe = tracer is not None and tracer.probe_memory
+    with trace.span("forward", "forward"), tracer.activations() if probe else nullcontext():
         with amp.autocast():
             loss = model(x, y) / scale
     with trace.span("backward", "backward"):
         amp.scale(loss).backward()
-    if tracer is not None:
+    if probe:
         tracer.release_activations()
     return loss.detach()
 

@@ -19,18 +19,21 @@ from workbench import comm
 
 @torch.no_grad()
 def clip_by_shares_(named_grads: Sequence[tuple[str, torch.Tensor]], shares: dict[str, float],
-                    groups: Iterable[Any], max_norm: float, device: torch.device) -> float:
+                    groups: Iterable[Any], max_norm: float, device: torch.device) -> torch.Tensor:
     """Scale ``named_grads`` in place so the whole model's gradient norm is at most ``max_norm``; return that
-    norm (before clipping). ``shares[name]`` defaults to 1. Same formula as ``clip_grad_norm_``:
-    coefficient min(1, max_norm / (norm + 1e-6))."""
+    norm (before clipping) as a 0-dim float64 tensor on ``device``. ``shares[name]`` defaults to 1. Same formula
+    as ``clip_grad_norm_``: coefficient min(1, max_norm / (norm + 1e-6)).
+
+    Nothing is read back to the host (no ``float(norm)``, no ``if coef < 1``): the coefficient stays on the
+    device and every gradient is multiplied by it, 1.0 included (x * 1.0 == x exactly), so the host can queue
+    the optimizer's kernels while the GPU still runs the backward."""
     local = torch.zeros((), dtype=torch.float64, device=device)
     for name, grad in named_grads:
         local += shares.get(name, 1.0) * grad.double().pow(2).sum()
     for group in groups:
         comm.all_reduce(local, group=group, tag="clip")
-    total = float(local.sqrt())
-    coef = min(1.0, max_norm / (total + 1e-6))
-    if coef < 1.0:
-        for _, grad in named_grads:
-            grad.mul_(coef)
+    total = local.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # float64, as the Python float it replaces
+    for _, grad in named_grads:
+        grad.mul_(coef.to(grad.dtype))
     return total

@@ -491,8 +491,8 @@ class Pipeline:
 
 @torch.no_grad()
 def clip_grad_norm_(pipe: Pipeline, max_norm: float, weights: dict[str, float] | None = None,
-                    other_groups: tuple = ()) -> float:
-    """Clip by the norm of the whole model's gradient, as one process would; return that norm.
+                    other_groups: tuple = ()) -> torch.Tensor:
+    """Clip by the norm of the whole model's gradient, as one process would; return that norm (a 0-dim tensor).
 
     Each rank holds different layers, so the squared norms of its stages are summed over the pp group; the
     last stage's copy of the tied embedding/head carries the same gradient as the first stage's

@@ -567,8 +567,8 @@ def norm_weights(model: nn.Module, mesh_or_group: Any) -> dict[str, float]:
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, mesh_or_group: Any) -> float:
-    """Clip by the global gradient norm of the *unsplit* model, as one process would; return that norm.
+def clip_grad_norm_(model: nn.Module, max_norm: float, mesh_or_group: Any) -> torch.Tensor:
+    """Clip by the global gradient norm of the *unsplit* model, as one process would; return that norm (a 0-dim tensor).
 
     A sharded parameter's squared norm is spread over the tp ranks (sum them); a replicated one is whole on
     every rank (count it once). So each rank adds its shards' squares and 1/tp of the replicated ones, and one

@@ -555,10 +555,14 @@ _MIB = 2**20
 _ALLOCATOR_GAP = (
     "The ledger counts the categories theory predicts (parameters, gradients, optimizer state, saved "
     "activations, communication buffers, gathered shards), attributed by the code that owns them. The CUDA "
-    "allocator counts every live tensor: also temporaries (matmul outputs, autograd intermediates, the "
-    "optimizer's scratch tensors) and each block's rounding to 512 bytes, so its figures are the larger; at "
-    "its peak, forward's temporaries and the optimizer's scratch add to what the ledger's peak holds. Neither "
-    "counts the CUDA context or the allocator's cached free blocks, which nvidia-smi shows.")
+    "allocator counts every live tensor, so its figures are the larger. 'allocator - ledger now' is split "
+    "into what was measured at that moment: cuBLAS's workspaces (scratch memory for matmuls, one per handle "
+    "and stream, kept for the process's life: the forward's thread and autograd's backward thread hold one "
+    "each, tens of MiB on a recent GPU, more than a small model's states), the step's batch, and what is "
+    "left unexplained (scalars such as the loss, each block's rounding to 512 bytes; a large figure there is "
+    "a leak). At its peak, forward's temporaries (matmul outputs, autograd intermediates) and the optimizer's "
+    "scratch add to what the ledger's peak holds. Neither counts the CUDA context or the allocator's cached "
+    "free blocks, which nvidia-smi shows.")
 
 
 def memory_rows(traces: Sequence[Trace]) -> list[dict[str, Any]]:
@@ -573,6 +577,10 @@ def memory_rows(traces: Sequence[Trace]) -> list[dict[str, Any]]:
             row["device"] = dm.device
             row["allocator now (MiB)"] = dm.allocated / _MIB
             row["allocator - ledger now (MiB)"] = (dm.allocated - dm.ledger_total) / _MIB
+            row["of which cuBLAS workspaces (MiB)"] = ("unknown" if dm.cublas_workspaces is None
+                                                       else dm.cublas_workspaces / _MIB)
+            row["of which the batch (MiB)"] = dm.batch / _MIB
+            row["unexplained (MiB)"] = dm.unexplained / _MIB
             row["allocator peak (MiB)"] = dm.peak_allocated / _MIB
             row["allocator reserved (MiB)"] = dm.reserved / _MIB
             row["GPU utilisation (%)"] = "unknown" if dm.utilization is None else dm.utilization
