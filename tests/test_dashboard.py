@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from workbench.run import LiveRun, run_live
 from workbench.trace import MEMORY_CATEGORIES
 from workbench.widgets import dashboard as dash
-from workbench.widgets.dashboard import SCALARS, Dashboard, has_widget_front_end, run_live
+from workbench.widgets.dashboard import SCALARS, Dashboard, has_widget_front_end
 
 MIB = 2**20
 N_SCALARS = len(SCALARS)
@@ -246,7 +247,7 @@ def test_run_live_refuses_what_is_not_a_run_config() -> None:
 
 def test_wait_with_a_bad_timeout() -> None:
     board = Dashboard(nproc=2, steps=4, live=False)
-    run = dash.LiveRun(_cfg(4), None, board)
+    run = LiveRun(_cfg(4), None, board)
     with pytest.raises(ValueError, match="timeout must be None .* got -1"):
         run.wait(timeout=-1)
     with pytest.raises(TimeoutError, match="still training"):

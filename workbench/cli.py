@@ -1,24 +1,25 @@
-"""``workbench`` command line: ``run`` trains on N ranks (gloo on the CPU, or NCCL with one GPU per rank) and
-writes a summary and a report; ``env`` says what this machine offers a run; ``calc`` prints the per-rank
-memory of a training configuration; ``bench`` runs the benchmarks."""
+"""``workbench`` command line: ``run`` parses its flags into a ``RunConfig`` and hands it to ``workbench.run``,
+which trains on N ranks (gloo on the CPU, or NCCL with one GPU per rank) and writes a summary and a report;
+``env`` says what this machine offers a run; ``calc`` prints the per-rank memory of a training configuration;
+``bench`` runs the benchmarks."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import sys
-from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from workbench.launch import VALID_BACKENDS, VALID_DEVICES
 from workbench.parallel import DDP_KINDS, ZERO_STAGES
 from workbench.recompute import RECOMPUTE_MODES as RUN_RECOMPUTE_MODES
+from workbench.run import comm_group_labels, run_training, summarize, write_outputs
 from workbench.theory.pipeline import SCHEDULES
+
+#: The run itself lives in ``workbench.run``; these names are kept here, where notebooks and scripts import them.
+__all__ = ["build_parser", "comm_group_labels", "main", "run_training", "summarize", "write_outputs"]
 
 PIPELINE_SCHEDULES = tuple(SCHEDULES)
 
@@ -134,194 +135,6 @@ def _config_from_args(args: argparse.Namespace) -> Any:
                      async_ckpt=args.async_ckpt, export=args.export, max_restarts=args.max_restarts,
                      inject_fault=args.inject_fault, val_every=args.val_every, val_fraction=args.val_fraction,
                      on_spike=args.on_spike, spike_factor=args.spike_factor)
-
-
-def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True, live: bool = False,
-                 on_metrics: Callable[[int, dict[str, Any]], None] | None = None) -> Any:
-    """Launch ``cfg.nproc`` ranks, train, and (with ``out``) write summary.json and report.html.
-
-    ``on_metrics(rank, metrics)`` is called in this process after every step of every rank (the step's metrics,
-    that rank's ledger peaks and the bytes each collective moved: ``train._streamed``). ``live=True`` shows a
-    dashboard that updates while the ranks train, with a Stop button (``workbench.widgets.dashboard.run_live``,
-    which says what it returns); headless it draws the same figures once at the end.
-    """
-    if live:
-        from workbench.widgets.dashboard import run_live
-
-        return run_live(cfg, out)
-    from tqdm.auto import tqdm
-
-    from workbench.launch import launch, under_torchrun
-    from workbench.train import train_rank
-
-    # Under torchrun every process runs this function; only global rank 0 draws and writes.
-    lead = not under_torchrun() or os.environ.get("RANK") == "0"
-    bar = tqdm(total=cfg.steps, desc=f"training on {cfg.nproc} rank(s)", disable=not (progress and lead),
-               file=sys.stderr)
-    streamed: list[dict[str, Any]] = []  # rank 0's metrics of every attempt: a restart's history starts later
-
-    def on_report(rank: int, metrics: dict[str, Any]) -> None:
-        if rank == 0:
-            streamed.append(metrics)
-            bar.n = metrics["step"] + 1  # a restart goes back to its checkpoint's step
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-            bar.refresh()
-        if on_metrics is not None:
-            on_metrics(rank, metrics)
-
-    if cfg.resume and lead:
-        _prepare_resume(cfg)
-    try:
-        results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report, device=cfg.device,
-                         backend=cfg.backend, port=cfg.port, max_restarts=cfg.max_restarts)
-    finally:
-        bar.close()
-    summary = summarize(cfg, results[0], results.traces)
-    if results.restarts:
-        summary["restarts"] = _restart_log(results.restarts, streamed, summary)
-    if out is not None and lead:
-        write_outputs(Path(out), summary, results.traces)
-    return summary
-
-
-def _prepare_resume(cfg: Any) -> None:
-    """A resume on another layout gathers the checkpoint into full tensors first (``train.prepare_resharded_resume``,
-    which launches the saved layout's ranks on the CPU): not from inside torchrun, whose processes are the ranks."""
-    from workbench.checkpoint import read_manifest
-    from workbench.launch import under_torchrun
-    from workbench.train import find_resume_point, layout_changes, prepare_resharded_resume
-
-    if under_torchrun():
-        saved = read_manifest(find_resume_point(cfg))["meta"]["run_config"]
-        if changes := layout_changes(cfg, saved):
-            raise ValueError(f"resuming on another layout ({'; '.join(changes)}) is not supported under torchrun: "
-                             f"run `workbench run --resume` with the new layout without torchrun")
-        return
-    if note := prepare_resharded_resume(cfg):
-        print(f"workbench: {note}", file=sys.stderr)
-
-
-def _restart_log(restarts: list[dict[str, Any]], streamed: list[dict[str, Any]],
-                 summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each restart with the last step its attempt finished; the summary's loss curve gets the steps that the
-    failed attempts trained before the step the final attempt resumed from (redone steps count once, as the
-    final attempt ran them)."""
-    final = summary["history"]
-    first_final = final[0]["step"] if final else math.inf
-    last_attempt = len(restarts)
-    before = {m["step"]: _plain_metrics(m) for m in streamed
-              if m.get("attempt", 0) < last_attempt and m["step"] < first_final}
-    summary["history"] = [before[s] for s in sorted(before)] + final
-    summary["losses"] = [m["loss"] for m in summary["history"]]
-    done = {}
-    for m in streamed:
-        done[m.get("attempt", 0)] = m["step"]
-    return [{**r, "last_step_done": done.get(r["attempt"] - 1)} for r in restarts]
-
-
-def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in metrics.items() if k not in ("rank", "memory_peak", "comm_bytes", "attempt")}
-
-
-def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
-    history = rank0["history"]
-    steady = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
-    return {
-        "config": _recorded_config(cfg), "strategy": rank0["strategy"], "n_params": rank0["n_params"],
-        "losses": [m["loss"] for m in history], "tokens_per_s": statistics.median(steady),
-        "step_time_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
-        "data_wait_s": statistics.median(m.get("data_wait_s", 0.0) for m in history[1:] or history),
-        "final_params_sha256": rank0["final_params_sha256"], "history": history,
-        "placement": rank0.get("placement"),
-        "checkpoint": rank0.get("checkpoint"),
-        "attempt": rank0.get("attempt", 0),  # > 0: this result came from a restarted attempt (ours or torchrun's)
-        "stopped_after_step": rank0.get("stopped_after_step"),
-        "health": _health_summary(rank0, traces),
-        "memory_peak_bytes": [t.memory.peak for t in traces],
-        "device_memory": [asdict(t.device_memory) if t.device_memory is not None else None for t in traces],
-        "mesh": _mesh(cfg),
-        "comm_groups": comm_group_labels(_mesh(cfg)),
-        **({"pipeline": _pipeline_summary(cfg, traces)} if cfg.pp > 1 else {}),
-    }
-
-
-def _recorded_config(cfg: Any) -> dict[str, Any]:
-    """The config as summary.json records it: without the live dashboard's temporary stop file."""
-    config = cfg.to_dict()
-    config["extra"] = {k: v for k, v in config.get("extra", {}).items() if k != "stop_file"}
-    return config
-
-
-def _health_summary(rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
-    """Spike/NaN events and their actions, the validation curve, and stragglers from every rank's step times
-    (the first step is left out: it pays for warm-up on every rank alike)."""
-    from workbench.health import stragglers
-
-    health = dict(rank0.get("health") or {})
-    health["val_losses"] = [[m["step"], m["val_loss"]] for m in rank0["history"] if "val_loss" in m]
-    health["stragglers"] = stragglers([[m["step_time_s"] for m in t.metrics[1:] or t.metrics] for t in traces])
-    return health
-
-
-def _mesh(cfg: Any) -> dict[str, int]:
-    """The run's mesh axes (context parallelism is not a run flag yet: cp is always 1)."""
-    return {"pp": cfg.pp, "dp": cfg.dp, "cp": getattr(cfg, "cp", 1), "tp": cfg.tp}
-
-
-def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
-    """Every process group of the mesh as ``{"ranks": [...], "axis": name}``, so a report can say which axis
-    a collective ran on. Axes of size 1 only give one-rank groups; the whole world is labelled by the single
-    axis it equals (e.g. ``dp`` for plain data parallelism), else ``world``."""
-    from workbench.mesh import AXES, MeshShape
-
-    shape = MeshShape(**mesh)
-    labels: dict[tuple[int, ...], str] = {}
-    for axis in sorted(AXES, key=lambda a: mesh[a] == 1):  # real axes first: they win a shared group
-        for group in shape.all_axis_groups(axis):
-            labels.setdefault(tuple(sorted(group)), axis)
-    labels.setdefault(tuple(range(shape.world_size)), "world")
-    return [{"ranks": list(ranks), "axis": axis} for ranks, axis in labels.items()]
-
-
-def _pipeline_summary(cfg: Any, traces: list[Any]) -> dict[str, Any]:
-    """Schedule, theory's bubble beside the measured one (median over the traced steps) and activation peaks."""
-    from workbench.mesh import MeshShape
-    from workbench.parallel.pipeline import busy_intervals, measured_bubble
-    from workbench.theory.pipeline import bubble_fraction
-
-    traced = sorted({s.step for t in traces for s in t.spans if s.step is not None})
-    steps = [step for step in traced if all(busy_intervals(traces, step).values())]
-    measured = [measured_bubble(traces, step) for step in steps]
-    per_rank = [int(t.memory.peak.get("activations", 0)) for t in traces]
-    shape = MeshShape(**_mesh(cfg))
-    per_stage = [max((b for t, b in zip(traces, per_rank, strict=True) if shape.coords(t.rank)["pp"] == stage),
-                     default=0) for stage in range(cfg.pp)]
-    return {"schedule": cfg.schedule, "microbatches": cfg.microbatches, "virtual_stages": cfg.virtual_stages,
-            "bubble_theory": bubble_fraction(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages),
-            "bubble_measured": statistics.median(measured) if measured else None,
-            "traced_steps": steps,
-            "peak_activation_bytes_per_rank": per_rank,
-            "peak_activation_bytes_per_stage": per_stage}
-
-
-def write_outputs(out: Path, summary: dict[str, Any], traces: list[Any]) -> None:
-    from workbench.viz.report import write_report
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2, allow_nan=False))
-    (out / "traces.json").write_text(json.dumps(_json_safe([t.to_dict() for t in traces]), allow_nan=False))
-    write_report(out / "report.html", summary, traces)
-
-
-def _json_safe(value: Any) -> Any:
-    """NaN and inf (a skipped fp16 step's gradient norm, a diverged loss) as null: strict JSON has no NaN."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """Interactive ipywidgets for the notebooks; they compute with `workbench.theory` and draw with `viz`."""
 
-from workbench.widgets.dashboard import Dashboard, LiveRun, run_live
+from workbench.widgets.dashboard import Dashboard
 from workbench.widgets.memory_calculator import calculator_table, memory_calculator
 
-__all__ = ["Dashboard", "LiveRun", "calculator_table", "memory_calculator", "run_live"]
+# The live run behind a Dashboard (LiveRun, run_live) moved to workbench.run: widgets draw, they start no ranks.
+__all__ = ["Dashboard", "calculator_table", "memory_calculator"]

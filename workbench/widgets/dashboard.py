@@ -1,6 +1,7 @@
 """Live dashboard: watch the ranks train step by step, and stop the run with a button.
 
-``run_training(cfg, live=True)`` (``workbench.cli``) calls ``run_live``. In JupyterLab (or any front end that
+``run_training(cfg, live=True)`` (``workbench.run``, also importable from ``workbench.cli``) trains behind a
+``Dashboard``, this module's one job: draw what the ranks stream. In JupyterLab (or any front end that
 draws widgets) the dashboard appears at once and the ranks train in a background thread, so the cell returns and
 the kernel stays free to hear the Stop button (a kernel busy in the cell would never see the click)::
 
@@ -24,23 +25,19 @@ redrawn at most every ``min_interval_s`` (0.25 s: a few redraws a second), in on
 
 Stop writes a file that rank 0 checks after each step (``train.StopSignal``); all ranks then leave the loop at the
 same step, the launcher reaps them, and ``run_training`` writes what was trained (summary, report, a checkpoint if
-``ckpt_dir`` is set). This module never imports ``torch.distributed`` itself (DESIGN.md: presentation draws
-records); it calls ``workbench.cli.run_training``, which does.
+``ckpt_dir`` is set). This module never starts ranks nor imports ``torch.distributed`` (DESIGN.md: presentation
+draws records): ``workbench.run`` owns the run, its thread and its stop file (``run.LiveRun``, ``run.run_live``)
+and calls ``Dashboard.update`` with what each rank streams.
 """
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import html
 import json
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import ipywidgets as widgets
@@ -101,7 +98,7 @@ class Dashboard(widgets.VBox):
     ``update(rank, metrics)`` is ``run_training``'s ``on_metrics`` callback. ``live=True`` draws into a plotly
     ``FigureWidget`` (when anywidget is installed; else into an Output that gets the redrawn figure);
     ``live=False`` keeps a plain ``go.Figure`` to be shown once (``static_figure``). ``on_stop`` is called once when
-    Stop is clicked (``LiveRun`` creates its stop file there).
+    Stop is clicked (``workbench.run.LiveRun`` creates its stop file there).
     """
 
     def __init__(self, nproc: int, steps: int, live: bool = True, min_interval_s: float = 0.25,
@@ -281,124 +278,7 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The run behind the dashboard.
-
-
-class LiveRun:
-    """A training run with a dashboard: ``wait()``, ``stop()``, ``done``, ``summary``, ``error``.
-
-    Owns a temporary stop file (``cfg.extra["stop_file"]``, train.StopSignal): ``stop()`` creates it, and it is
-    removed with its folder when the run ends.
-    """
-
-    def __init__(self, cfg: Any, out: str | Path | None, dashboard: Dashboard) -> None:
-        self._stop_dir = Path(tempfile.mkdtemp(prefix="workbench-stop-"))
-        self.stop_file = self._stop_dir / "stop"
-        self.cfg = dataclasses.replace(cfg, extra={**cfg.extra, "stop_file": str(self.stop_file)})
-        self.out, self.dashboard = out, dashboard
-        self.summary: dict[str, Any] | None = None
-        self.error: BaseException | None = None
-        self._finished = threading.Event()
-        self._thread: threading.Thread | None = None
-        dashboard.on_stop = self._touch_stop_file  # the Stop button
-
-    @property
-    def done(self) -> bool:
-        """The run has ended (trained, stopped or failed) and its ranks are gone."""
-        return self._finished.is_set()
-
-    @property
-    def stopped_after_step(self) -> int | None:
-        """The last step trained when Stop ended the run early; None while training, or when it ran all steps."""
-        history = (self.summary or {}).get("history") or []
-        if not self.done or not history or history[-1]["step"] >= self.cfg.steps - 1:
-            return None
-        return history[-1]["step"]
-
-    def stop(self) -> None:
-        """End the run after the step the ranks are in; what was trained is written as usual. No-op once done."""
-        if not self.done:
-            self.dashboard.request_stop()  # greys the button, says "stopping", calls _touch_stop_file
-
-    def _touch_stop_file(self) -> None:
-        try:
-            self.stop_file.touch()
-        except FileNotFoundError:  # the run ended meanwhile and took its folder with it: nothing to stop
-            pass
-
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        """Block until the run ends; return its summary, or raise the error that ended it (a ``RankError``
-        naming the rank). ``TimeoutError`` if it is still running after ``timeout`` seconds."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout < 0):
-            raise ValueError(f"timeout must be None (wait for the end) or seconds >= 0, got {timeout!r}")
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"the run is still training after {timeout} s (step {self.dashboard.last_step + 1} "
-                               f"of {self.cfg.steps}); call stop() to end it")
-        if self._thread is not None:
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.summary is not None
-        return self.summary
-
-    def start(self) -> None:
-        """Train in a background thread (the kernel stays free to hear the Stop button)."""
-        self._thread = threading.Thread(target=self.run, name="workbench-live-run", daemon=True)
-        atexit.register(self._stop_at_exit)
-        self._thread.start()
-
-    def run(self) -> None:
-        """Train in this thread; the outcome goes to ``summary`` or ``error`` and the dashboard's status line."""
-        from workbench.cli import run_training  # entry point: launches ranks (imports torch.distributed)
-
-        try:
-            self.summary = run_training(self.cfg, self.out, progress=False, on_metrics=self.dashboard.update)
-        except BaseException as exc:  # surfaced by wait() and in the status line
-            self.error = exc
-        finally:
-            atexit.unregister(self._stop_at_exit)
-            shutil.rmtree(self._stop_dir, ignore_errors=True)
-            self.dashboard.finish(self.summary, self.error)
-            self._finished.set()
-
-    def _stop_at_exit(self) -> None:
-        """The interpreter is leaving with the run still training: end it, so its ranks are reaped, not orphaned."""
-        if not self.done:
-            self.stop()
-            self._finished.wait(self.cfg.timeout)
-
-    def __repr__(self) -> str:
-        state = ("failed" if self.error else "done") if self.done else "training"
-        return f"LiveRun({state}, step {self.dashboard.last_step + 1} of {self.cfg.steps})"
-
-
-def run_live(cfg: Any, out: str | Path | None = None, front_end: bool | None = None,
-             min_interval_s: float = 0.25) -> LiveRun:
-    """Train ``cfg`` with a live dashboard; returns a ``LiveRun`` (see the module docstring).
-
-    ``front_end`` (None: ``has_widget_front_end()``): True shows the dashboard and trains in a background thread
-    (the call returns at once); False trains here, shows the panels once at the end and returns a finished run.
-    Headless, a rank's error is raised here, as ``run_training`` without ``live`` would.
-    """
-    if not all(hasattr(cfg, name) for name in ("nproc", "steps", "extra", "timeout")):
-        raise ValueError(f"cfg must be a workbench.train.RunConfig, got {type(cfg).__name__}")
-    front_end = has_widget_front_end() if front_end is None else front_end
-    dashboard = Dashboard(cfg.nproc, cfg.steps, live=front_end, min_interval_s=min_interval_s)
-    handle = LiveRun(cfg, out, dashboard)
-    if front_end:
-        _display(dashboard, f"live dashboard: {cfg.nproc} rank(s), {cfg.steps} step(s)")
-        handle.start()
-        return handle
-    handle.run()
-    if handle.error is not None:
-        raise handle.error
-    _display_figure(dashboard.static_figure(), dashboard.status.value)
-    return handle
-
-
-def _display(widget: widgets.Widget, text: str) -> None:
+def display_widget(widget: widgets.Widget, text: str) -> None:
     from IPython import get_ipython
     from IPython.display import display
 
@@ -408,7 +288,7 @@ def _display(widget: widgets.Widget, text: str) -> None:
     display(widget)
 
 
-def _display_figure(fig: go.Figure, text: str) -> None:
+def display_figure(fig: go.Figure, text: str) -> None:
     """The static panels where a notebook can draw them (papermill, nbval); one line of text elsewhere."""
     from IPython import get_ipython
     from IPython.display import display

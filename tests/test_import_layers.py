@@ -1,0 +1,323 @@
+"""The package's floors, checked from its source (issue 19, "Guard tests first").
+
+Every module under ``workbench/`` is parsed with ``ast`` (nothing is imported) and three rules are checked:
+
+a. no upward import: a module imports its own floor or a lower one (``FLOORS``);
+b. no strategy under ``workbench/parallel/`` imports a sibling strategy (``STRATEGIES`` vs ``HELPERS``);
+c. no private name (``_x``) is imported, or reached as ``module._x``, from another module.
+
+Each rule has an allow-list of today's breaches. The test fails on a breach that is not listed, and on a listed
+breach that no longer exists, so the lists only shrink: issue 19 is done when all three are empty.
+
+Every import counts, wherever it is written: a function-level (lazy) import or one under ``TYPE_CHECKING`` is
+still a dependency of the module, only a deferred one, so it cannot be used to hide an upward import.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Floors, lowest first: DESIGN.md's layer table in the order issue 19 proposes. A key ending in "/" covers a
+# folder, any other key one file; the longest matching key wins. Every module must be covered
+# (test_every_module_has_a_floor), so a new file is placed on purpose.
+FLOOR_NAMES = ["theory", "trace", "dist", "models, data", "parallel", "checkpoint, training", "presentation",
+               "entry points"]
+FLOORS = {
+    "workbench/theory/": 0,        # pure Python: memory, α-β communication, schedules as data, layouts
+    "workbench/trace.py": 1,       # plain records
+    "workbench/launch.py": 2, "workbench/mesh.py": 2, "workbench/comm.py": 2, "workbench/rank_pool.py": 2,
+    "workbench/faults.py": 2, "workbench/environment.py": 2,
+    "workbench/__init__.py": 2,    # re-exports launch, Mesh and Trace: the dist floor's front door
+    "workbench/models/": 3, "workbench/data.py": 3,
+    "workbench/parallel/": 4,
+    "workbench/precision.py": 4, "workbench/recompute.py": 4,  # beside the strategies they wrap
+    "workbench/checkpoint.py": 5, "workbench/reshard.py": 5, "workbench/train.py": 5, "workbench/health.py": 5,
+    "workbench/viz/": 6, "workbench/widgets/": 6,
+    "workbench/cli.py": 7, "workbench/magics.py": 7, "workbench/labs/": 7,
+    "workbench/run.py": 7,         # one run start to end: cli.py parses flags and calls it
+    # Not named in the issue: both launch ranks for a notebook (measure: notebooks 02-04's α-β calibration;
+    # pipeline_demo: notebook 08 and the schedule explorer), so they are entry points, not presentation.
+    "workbench/measure.py": 7, "workbench/pipeline_demo.py": 7,
+}
+
+# What counts as a strategy under workbench/parallel/ (module prefix -> reason). A strategy may import helpers
+# and its own package's modules (zero/* is one strategy), never another strategy.
+STRATEGIES = {
+    "workbench.parallel.ddp": "data parallelism: replicas, bucketed gradient all-reduce",
+    "workbench.parallel.tensor": "tensor parallelism: Megatron's column/row/vocab-parallel layers",
+    "workbench.parallel.sequence": "sequence parallelism: TP's plan with sharded norms and reduce-scatter",
+    "workbench.parallel.pipeline": "pipeline parallelism: the cut and the schedule executor",
+    "workbench.parallel.zero": "ZeRO 1/2/3: flat buckets, sharded optimizer, gradients, fully sharded model",
+}
+HELPERS = {
+    "workbench.parallel.collectives": "algorithms over comm (ring, tree) that any strategy may call",
+    "workbench.parallel.grad_norm": "clipping a split model: shared by every strategy that shards parameters",
+}
+# The one place that combines strategies (today the package __init__; parallelize.py after issue 19). It imports
+# every strategy, so a strategy importing it would reach its siblings through it: that counts as a sibling too.
+COMPOSER = "workbench.parallel"
+
+
+class Import(NamedTuple):
+    line: int
+    module: str        # the module written in the statement, made absolute (``from .x`` resolved)
+    name: str | None   # the imported name (``from m import name``) or attribute reached (``m._name``), or None
+
+
+class Breach(NamedTuple):
+    rule: str
+    key: tuple[str, str, str | None]  # (importer, imported, name-or-None): the allow-list's form
+    path: str
+    line: int
+    detail: str = ""
+
+
+# Rule a: upward imports today. Each is a dependency the refactor removes.
+ALLOWED_UPWARD: set[tuple[str, str, str | None]] = set()
+# (empty since workbench/run.py: the dashboard used to start a run through the CLI, which imported it back)
+
+# Rule b: strategies importing a sibling strategy today.
+ALLOWED_SIBLING = {
+    # sequence parallelism is built from tensor parallelism's layers and plan (one plan with two styles is the
+    # target: DESIGN.md, "SP is the same plan with reduce-scatter outputs")
+    ("workbench.parallel.sequence", "workbench.parallel.tensor", None),
+}
+
+# Rule c: private names used across modules today.
+ALLOWED_PRIVATE = {
+    # rank_pool drives launch's process machinery through its private helpers ("launch's process helpers
+    # public", issue 19)
+    ("workbench.rank_pool", "workbench.launch", "_TIMEOUT_ENV"),
+    ("workbench.rank_pool", "workbench.launch", "_context"),
+    ("workbench.rank_pool", "workbench.launch", "_death_error"),
+    ("workbench.rank_pool", "workbench.launch", "_exit_when_parent_dies"),
+    ("workbench.rank_pool", "workbench.launch", "_host_store"),
+    ("workbench.rank_pool", "workbench.launch", "_init_process_group"),
+    ("workbench.rank_pool", "workbench.launch", "_main_not_reimported"),
+    ("workbench.rank_pool", "workbench.launch", "_set_rank_env"),
+    ("workbench.rank_pool", "workbench.launch", "_stop_all"),
+    # zero/: the package's files share flat.py's buckets and offload.py's copies by private name
+    ("workbench.parallel.zero.fully_sharded", "workbench.parallel.zero.flat", "_ceil_div"),
+    ("workbench.parallel.zero.fully_sharded", "workbench.parallel.zero.flat", "_queue_end_of_backward"),
+    ("workbench.parallel.zero.fully_sharded", "workbench.parallel.zero.offload", "_offload_copy"),
+    ("workbench.parallel.zero.gradients", "workbench.parallel.zero.flat", "_Bucket"),
+    ("workbench.parallel.zero.gradients", "workbench.parallel.zero.flat", "_queue_end_of_backward"),
+    ("workbench.parallel.zero.optimizer", "workbench.parallel.zero.flat", "_Bucket"),
+    ("workbench.parallel.zero.optimizer", "workbench.parallel.zero.flat", "_all_gather_accepts_own_slice"),
+    ("workbench.parallel.zero.optimizer", "workbench.parallel.zero.flat", "_bucket_params"),
+    ("workbench.parallel.zero.optimizer", "workbench.parallel.zero.flat", "_step_chunks"),
+    ("workbench.parallel.zero.optimizer", "workbench.parallel.zero.gradients", "_GradientReduction"),
+    ("workbench.parallel.zero.optimizer", "workbench.parallel.zero.offload", "_master_copies"),
+    ("workbench.parallel.zero.optimizer", "workbench.parallel.zero.offload", "_offload_copy"),
+    # theory/: the layout analysis looks a model preset up through models.py's private helper
+    ("workbench.theory.parallelism", "workbench.theory.models", "_preset"),
+}
+
+
+def module_name(path: str) -> str:
+    """``workbench/parallel/zero/__init__.py`` -> ``workbench.parallel.zero``."""
+    parts = Path(path).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_sources(root: Path = ROOT) -> dict[str, tuple[str, str]]:
+    """Module name -> (path relative to the repo, source) for every module under workbench/."""
+    paths = sorted(p.relative_to(root).as_posix() for p in (root / "workbench").rglob("*.py"))
+    return {module_name(p): (p, (root / p).read_text(encoding="utf-8")) for p in paths}
+
+
+@functools.cache  # the package is parsed once, however many tests plant a change in one module
+def imports_of(source: str, module: str, path: str) -> tuple[Import, ...]:
+    """Every workbench import in ``source`` (lazy ones too), and every ``alias._private`` reached through one."""
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found, aliases, nodes = [], {}, list(ast.walk(ast.parse(source)))
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                found.append(Import(node.lineno, a.name, None))
+                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for a in node.names:
+                found.append(Import(node.lineno, target, a.name))
+                aliases[a.asname or a.name] = f"{target}.{a.name}"
+    for node in nodes:  # second pass: aliases are known wherever they were bound
+        chain = _dotted(node.value) if isinstance(node, ast.Attribute) and _private(node.attr) else None
+        if chain and chain[0] in aliases:
+            found.append(Import(node.lineno, ".".join([aliases[chain[0]], *chain[1:]]), node.attr))
+    return tuple(i for i in found if i.module == "workbench" or i.module.startswith("workbench."))
+
+
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` -> ["a", "b", "c"]; None for anything but names and attributes."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    return [*head, node.attr] if isinstance(node, ast.Attribute) and (head := _dotted(node.value)) else None
+
+
+def _private(name: str | None) -> bool:
+    return bool(name) and name.startswith("_") and not name.startswith("__")
+
+
+def floor_of(path: str) -> int | None:
+    keys = [k for k in FLOORS if path == k or (k.endswith("/") and path.startswith(k))]
+    return FLOORS[max(keys, key=len)] if keys else None
+
+
+def _prefixed(module: str, table: dict[str, str]) -> str | None:
+    """The longest key of ``table`` that is ``module`` or a package above it."""
+    keys = [k for k in table if module == k or module.startswith(k + ".")]
+    return max(keys, key=len) if keys else None
+
+
+def dependency(imp: Import, modules: dict[str, tuple[str, str]]) -> str | None:
+    """The module an import loads: ``from workbench import comm`` loads workbench.comm, not workbench."""
+    for candidate in (f"{imp.module}.{imp.name}", imp.module) if imp.name else (imp.module,):
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def breaches(sources: dict[str, tuple[str, str]]) -> list[Breach]:
+    """The three rules over ``sources`` (module -> (path, text)), as in package_sources()."""
+    out = []
+    for module, (path, text) in sources.items():
+        for imp in imports_of(text, module, path):
+            if _private(imp.name) and imp.module != module:
+                out.append(Breach("c", (module, imp.module, imp.name), path, imp.line))
+            dep = dependency(imp, sources)
+            if dep is None or dep == module:
+                continue
+            mine, theirs = floor_of(path), floor_of(sources[dep][0])
+            if mine is not None and theirs is not None and theirs > mine:
+                detail = f" (floor {mine} {FLOOR_NAMES[mine]!r} < floor {theirs} {FLOOR_NAMES[theirs]!r})"
+                out.append(Breach("a", (module, dep, None), path, imp.line, detail))
+            mine, theirs = _prefixed(module, STRATEGIES), _prefixed(dep, STRATEGIES) or (dep == COMPOSER and dep)
+            if mine and theirs and mine != theirs:
+                out.append(Breach("b", (module, dep, None), path, imp.line, f" ({mine} and {theirs} are strategies)"))
+    return sorted(set(out), key=lambda b: (b.path, b.line, b.rule, b.key))  # one per statement and key
+
+
+RULES = {
+    "a": ("upward import", ALLOWED_UPWARD),
+    "b": ("strategy imports a sibling strategy", ALLOWED_SIBLING),
+    "c": ("private name used across modules", ALLOWED_PRIVATE),
+}
+
+
+def problems(found: list[Breach], rule: str, allowed: set) -> list[str]:
+    """A line per breach not in ``allowed`` and per allowed breach no longer found."""
+    title = RULES[rule][0]
+    seen = {b.key for b in found if b.rule == rule}
+    new = [f"{b.path}:{b.line}: rule {rule} ({title}): {b.key[0]} imports {b.key[1]}"
+           + (f".{b.key[2]}" if b.key[2] else "") + b.detail for b in found if b.rule == rule and b.key not in allowed]
+    gone = [f"rule {rule} ({title}): {key} no longer happens: remove it from the allow-list"
+            for key in sorted(allowed - seen, key=str)]
+    return new + gone
+
+
+# ---- the package today ----
+
+@functools.cache
+def _today() -> list[Breach]:
+    return breaches(package_sources())
+
+
+def _check(rule: str) -> None:
+    lines = problems(_today(), rule, RULES[rule][1])
+    assert not lines, "\n".join(lines)
+
+
+def test_no_upward_import() -> None:
+    _check("a")
+
+
+def test_no_strategy_imports_a_sibling_strategy() -> None:
+    _check("b")
+
+
+def test_no_private_name_across_modules() -> None:
+    _check("c")
+
+
+def test_every_module_has_a_floor() -> None:
+    missing = [path for path, _ in package_sources().values() if floor_of(path) is None]
+    assert not missing, f"no floor for {missing}: add them to FLOORS in {Path(__file__).name}"
+
+
+def test_every_parallel_module_is_a_strategy_or_a_helper() -> None:
+    modules = [m for m in package_sources() if m == "workbench.parallel" or m.startswith("workbench.parallel.")]
+    loose = [m for m in modules if not _prefixed(m, STRATEGIES) and m not in HELPERS and m != COMPOSER]
+    assert not loose, f"{loose}: say whether each is a strategy or a helper (STRATEGIES / HELPERS)"
+
+
+def test_allow_lists_name_real_modules() -> None:
+    modules = package_sources()
+    unknown = [key for _, allowed in RULES.values() for key in allowed if not set(key[:2]) <= set(modules)]
+    assert not unknown, f"allow-list entries that name no module: {unknown}"
+
+
+# ---- the checker itself, on synthetic sources: each rule catches what it should ----
+
+def _sources(files: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """{path: source} -> package_sources()'s form."""
+    return {module_name(path): (path, text) for path, text in files.items()}
+
+
+def _found(files: dict[str, str]) -> list[tuple]:
+    return [(b.rule, b.key, f"{b.path}:{b.line}") for b in breaches(_sources(files))]
+
+
+def test_checker_catches_an_upward_import_even_a_lazy_one() -> None:
+    assert _found({"workbench/theory/memory.py": "def f():\n    from workbench.train import RunConfig\n",
+                   "workbench/train.py": "from workbench.theory.memory import to_unit\n"}) == [
+        ("a", ("workbench.theory.memory", "workbench.train", None), "workbench/theory/memory.py:2")]
+
+
+def test_checker_resolves_a_submodule_imported_from_its_package() -> None:
+    assert _found({"workbench/trace.py": "from workbench import comm\n", "workbench/comm.py": "",
+                   "workbench/__init__.py": "from workbench.trace import Trace\n"}) == [
+        ("a", ("workbench.trace", "workbench.comm", None), "workbench/trace.py:1")]
+
+
+def test_checker_catches_a_strategy_importing_a_sibling_but_not_a_helper() -> None:
+    assert _found({"workbench/parallel/ddp.py": "from workbench.parallel import tensor\n"
+                                                "from .grad_norm import clip_by_shares_\n",
+                   "workbench/parallel/zero/optimizer.py": "from workbench.parallel.zero.flat import Bucket\n"
+                                                           "from .. import ZERO_STAGES\n",
+                   "workbench/parallel/__init__.py": "from workbench.parallel import ddp, tensor\n",
+                   "workbench/parallel/tensor.py": "", "workbench/parallel/grad_norm.py": "",
+                   "workbench/parallel/zero/flat.py": ""}) == [
+        ("b", ("workbench.parallel.ddp", "workbench.parallel.tensor", None), "workbench/parallel/ddp.py:1"),
+        ("b", ("workbench.parallel.zero.optimizer", "workbench.parallel", None),
+         "workbench/parallel/zero/optimizer.py:2")]
+
+
+def test_checker_catches_private_names_imported_or_reached_across_modules() -> None:
+    assert _found({"workbench/rank_pool.py": "from workbench.launch import _context, launch\n"
+                                             "from .launch import _stop_all, __doc__\n"
+                                             "import workbench.launch as L\n"
+                                             "L._host_store(self._own)\n",
+                   "workbench/launch.py": "from workbench.launch import _own\n"}) == [
+        ("c", ("workbench.rank_pool", "workbench.launch", "_context"), "workbench/rank_pool.py:1"),
+        ("c", ("workbench.rank_pool", "workbench.launch", "_stop_all"), "workbench/rank_pool.py:2"),
+        ("c", ("workbench.rank_pool", "workbench.launch", "_host_store"), "workbench/rank_pool.py:4")]
+
+
+def test_a_planted_breach_fails_and_a_fixed_one_asks_to_shrink_the_list() -> None:
+    sources = package_sources()
+    path, text = sources["workbench.theory.pipeline"]
+    sources["workbench.theory.pipeline"] = (path, text + "\ndef _x():\n    from workbench.viz import timeline\n")
+    lines = problems(breaches(sources), "a", ALLOWED_UPWARD)
+    assert len(lines) == 1 and lines[0].startswith(f"{path}:{text.count(chr(10)) + 3}: rule a (upward import)")
+    assert "floor 0 'theory' < floor 6 'presentation'" in lines[0]
+
+    fixed = ("workbench.widgets.dashboard", "workbench.cli", None)  # the circle run.py removed
+    assert problems(breaches(sources), "a", ALLOWED_UPWARD | {fixed})[-1] == (
+        "rule a (upward import): ('workbench.widgets.dashboard', 'workbench.cli', None) no longer happens: "
+        "remove it from the allow-list")

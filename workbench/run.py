@@ -1,0 +1,328 @@
+"""One run, start to end: what ``workbench run``, a notebook's ``run_training``, the live dashboard and torchrun
+all call. It prepares a resume (resharding a checkpoint saved on another layout), launches the ranks
+(``train.train_rank`` on each), collects their results and restarts, summarizes them (``summary.json``'s
+shape) and writes ``summary.json``, ``traces.json`` and ``report.html``. ``live=True`` trains behind a
+``widgets.dashboard.Dashboard``, which only draws what the ranks stream: this module owns the run, its
+thread and its Stop file (``LiveRun``).
+
+``workbench.cli`` parses flags into a ``RunConfig`` and calls ``run_training``; it re-exports the names that
+lived there before (``workbench.cli.run_training``, ``summarize``, ``write_outputs``, ``comm_group_labels``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the dashboard (ipywidgets, plotly) is imported only by a live run: the CLI starts without it
+    from workbench.widgets.dashboard import Dashboard
+
+def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True, live: bool = False,
+                 on_metrics: Callable[[int, dict[str, Any]], None] | None = None) -> Any:
+    """Launch ``cfg.nproc`` ranks, train, and (with ``out``) write summary.json and report.html.
+
+    ``on_metrics(rank, metrics)`` is called in this process after every step of every rank (the step's metrics,
+    that rank's ledger peaks and the bytes each collective moved: ``train._streamed``). ``live=True`` shows a
+    dashboard that updates while the ranks train, with a Stop button (``run_live``, which says
+    what it returns); headless it draws the same figures once at the end.
+    """
+    if live:
+        return run_live(cfg, out)
+    from tqdm.auto import tqdm
+
+    from workbench.launch import launch, under_torchrun
+    from workbench.train import train_rank
+
+    # Under torchrun every process runs this function; only global rank 0 draws and writes.
+    lead = not under_torchrun() or os.environ.get("RANK") == "0"
+    bar = tqdm(total=cfg.steps, desc=f"training on {cfg.nproc} rank(s)", disable=not (progress and lead),
+               file=sys.stderr)
+    streamed: list[dict[str, Any]] = []  # rank 0's metrics of every attempt: a restart's history starts later
+
+    def on_report(rank: int, metrics: dict[str, Any]) -> None:
+        if rank == 0:
+            streamed.append(metrics)
+            bar.n = metrics["step"] + 1  # a restart goes back to its checkpoint's step
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+            bar.refresh()
+        if on_metrics is not None:
+            on_metrics(rank, metrics)
+
+    if cfg.resume and lead:
+        prepare_resume(cfg)
+    try:
+        results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report, device=cfg.device,
+                         backend=cfg.backend, port=cfg.port, max_restarts=cfg.max_restarts)
+    finally:
+        bar.close()
+    summary = summarize(cfg, results[0], results.traces)
+    if results.restarts:
+        summary["restarts"] = _restart_log(results.restarts, streamed, summary)
+    if out is not None and lead:
+        write_outputs(Path(out), summary, results.traces)
+    return summary
+
+
+def prepare_resume(cfg: Any) -> None:
+    """A resume on another layout gathers the checkpoint into full tensors first (``train.prepare_resharded_resume``,
+    which launches the saved layout's ranks on the CPU): not from inside torchrun, whose processes are the ranks."""
+    from workbench.checkpoint import read_manifest
+    from workbench.launch import under_torchrun
+    from workbench.train import find_resume_point, layout_changes, prepare_resharded_resume
+
+    if under_torchrun():
+        saved = read_manifest(find_resume_point(cfg))["meta"]["run_config"]
+        if changes := layout_changes(cfg, saved):
+            raise ValueError(f"resuming on another layout ({'; '.join(changes)}) is not supported under torchrun: "
+                             f"run `workbench run --resume` with the new layout without torchrun")
+        return
+    if note := prepare_resharded_resume(cfg):
+        print(f"workbench: {note}", file=sys.stderr)
+
+
+def _restart_log(restarts: list[dict[str, Any]], streamed: list[dict[str, Any]],
+                 summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each restart with the last step its attempt finished; the summary's loss curve gets the steps that the
+    failed attempts trained before the step the final attempt resumed from (redone steps count once, as the
+    final attempt ran them)."""
+    final = summary["history"]
+    first_final = final[0]["step"] if final else math.inf
+    last_attempt = len(restarts)
+    before = {m["step"]: _plain_metrics(m) for m in streamed
+              if m.get("attempt", 0) < last_attempt and m["step"] < first_final}
+    summary["history"] = [before[s] for s in sorted(before)] + final
+    summary["losses"] = [m["loss"] for m in summary["history"]]
+    done = {}
+    for m in streamed:
+        done[m.get("attempt", 0)] = m["step"]
+    return [{**r, "last_step_done": done.get(r["attempt"] - 1)} for r in restarts]
+
+
+def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if k not in ("rank", "memory_peak", "comm_bytes", "attempt")}
+
+
+def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
+    history = rank0["history"]
+    steady = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
+    return {
+        "config": _recorded_config(cfg), "strategy": rank0["strategy"], "n_params": rank0["n_params"],
+        "losses": [m["loss"] for m in history], "tokens_per_s": statistics.median(steady),
+        "step_time_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
+        "data_wait_s": statistics.median(m.get("data_wait_s", 0.0) for m in history[1:] or history),
+        "final_params_sha256": rank0["final_params_sha256"], "history": history,
+        "placement": rank0.get("placement"),
+        "checkpoint": rank0.get("checkpoint"),
+        "attempt": rank0.get("attempt", 0),  # > 0: this result came from a restarted attempt (ours or torchrun's)
+        "stopped_after_step": rank0.get("stopped_after_step"),
+        "health": _health_summary(rank0, traces),
+        "memory_peak_bytes": [t.memory.peak for t in traces],
+        "device_memory": [asdict(t.device_memory) if t.device_memory is not None else None for t in traces],
+        "mesh": _mesh(cfg),
+        "comm_groups": comm_group_labels(_mesh(cfg)),
+        **({"pipeline": _pipeline_summary(cfg, traces)} if cfg.pp > 1 else {}),
+    }
+
+
+def _recorded_config(cfg: Any) -> dict[str, Any]:
+    """The config as summary.json records it: without the live dashboard's temporary stop file."""
+    config = cfg.to_dict()
+    config["extra"] = {k: v for k, v in config.get("extra", {}).items() if k != "stop_file"}
+    return config
+
+
+def _health_summary(rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
+    """Spike/NaN events and their actions, the validation curve, and stragglers from every rank's step times
+    (the first step is left out: it pays for warm-up on every rank alike)."""
+    from workbench.health import stragglers
+
+    health = dict(rank0.get("health") or {})
+    health["val_losses"] = [[m["step"], m["val_loss"]] for m in rank0["history"] if "val_loss" in m]
+    health["stragglers"] = stragglers([[m["step_time_s"] for m in t.metrics[1:] or t.metrics] for t in traces])
+    return health
+
+
+def _mesh(cfg: Any) -> dict[str, int]:
+    """The run's mesh axes (context parallelism is not a run flag yet: cp is always 1)."""
+    return {"pp": cfg.pp, "dp": cfg.dp, "cp": getattr(cfg, "cp", 1), "tp": cfg.tp}
+
+
+def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
+    """Every process group of the mesh as ``{"ranks": [...], "axis": name}``, so a report can say which axis
+    a collective ran on. Axes of size 1 only give one-rank groups; the whole world is labelled by the single
+    axis it equals (e.g. ``dp`` for plain data parallelism), else ``world``."""
+    from workbench.mesh import AXES, MeshShape
+
+    shape = MeshShape(**mesh)
+    labels: dict[tuple[int, ...], str] = {}
+    for axis in sorted(AXES, key=lambda a: mesh[a] == 1):  # real axes first: they win a shared group
+        for group in shape.all_axis_groups(axis):
+            labels.setdefault(tuple(sorted(group)), axis)
+    labels.setdefault(tuple(range(shape.world_size)), "world")
+    return [{"ranks": list(ranks), "axis": axis} for ranks, axis in labels.items()]
+
+
+def _pipeline_summary(cfg: Any, traces: list[Any]) -> dict[str, Any]:
+    """Schedule, theory's bubble beside the measured one (median over the traced steps) and activation peaks."""
+    from workbench.mesh import MeshShape
+    from workbench.parallel.pipeline import busy_intervals, measured_bubble
+    from workbench.theory.pipeline import bubble_fraction
+
+    traced = sorted({s.step for t in traces for s in t.spans if s.step is not None})
+    steps = [step for step in traced if all(busy_intervals(traces, step).values())]
+    measured = [measured_bubble(traces, step) for step in steps]
+    per_rank = [int(t.memory.peak.get("activations", 0)) for t in traces]
+    shape = MeshShape(**_mesh(cfg))
+    per_stage = [max((b for t, b in zip(traces, per_rank, strict=True) if shape.coords(t.rank)["pp"] == stage),
+                     default=0) for stage in range(cfg.pp)]
+    return {"schedule": cfg.schedule, "microbatches": cfg.microbatches, "virtual_stages": cfg.virtual_stages,
+            "bubble_theory": bubble_fraction(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages),
+            "bubble_measured": statistics.median(measured) if measured else None,
+            "traced_steps": steps,
+            "peak_activation_bytes_per_rank": per_rank,
+            "peak_activation_bytes_per_stage": per_stage}
+
+
+def write_outputs(out: Path, summary: dict[str, Any], traces: list[Any]) -> None:
+    from workbench.viz.report import write_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2, allow_nan=False))
+    (out / "traces.json").write_text(json.dumps(_json_safe([t.to_dict() for t in traces]), allow_nan=False))
+    write_report(out / "report.html", summary, traces)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and inf (a skipped fp16 step's gradient norm, a diverged loss) as null: strict JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+class LiveRun:
+    """A training run with a dashboard: ``wait()``, ``stop()``, ``done``, ``summary``, ``error``.
+
+    Owns a temporary stop file (``cfg.extra["stop_file"]``, train.StopSignal): ``stop()`` creates it, and it is
+    removed with its folder when the run ends.
+    """
+
+    def __init__(self, cfg: Any, out: str | Path | None, dashboard: Dashboard) -> None:
+        self._stop_dir = Path(tempfile.mkdtemp(prefix="workbench-stop-"))
+        self.stop_file = self._stop_dir / "stop"
+        self.cfg = dataclasses.replace(cfg, extra={**cfg.extra, "stop_file": str(self.stop_file)})
+        self.out, self.dashboard = out, dashboard
+        self.summary: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._finished = threading.Event()
+        self._thread: threading.Thread | None = None
+        dashboard.on_stop = self._touch_stop_file  # the Stop button
+
+    @property
+    def done(self) -> bool:
+        """The run has ended (trained, stopped or failed) and its ranks are gone."""
+        return self._finished.is_set()
+
+    @property
+    def stopped_after_step(self) -> int | None:
+        """The last step trained when Stop ended the run early; None while training, or when it ran all steps."""
+        history = (self.summary or {}).get("history") or []
+        if not self.done or not history or history[-1]["step"] >= self.cfg.steps - 1:
+            return None
+        return history[-1]["step"]
+
+    def stop(self) -> None:
+        """End the run after the step the ranks are in; what was trained is written as usual. No-op once done."""
+        if not self.done:
+            self.dashboard.request_stop()  # greys the button, says "stopping", calls _touch_stop_file
+
+    def _touch_stop_file(self) -> None:
+        try:
+            self.stop_file.touch()
+        except FileNotFoundError:  # the run ended meanwhile and took its folder with it: nothing to stop
+            pass
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the run ends; return its summary, or raise the error that ended it (a ``RankError``
+        naming the rank). ``TimeoutError`` if it is still running after ``timeout`` seconds."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0):
+            raise ValueError(f"timeout must be None (wait for the end) or seconds >= 0, got {timeout!r}")
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the run is still training after {timeout} s (step {self.dashboard.last_step + 1} "
+                               f"of {self.cfg.steps}); call stop() to end it")
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.summary is not None
+        return self.summary
+
+    def start(self) -> None:
+        """Train in a background thread (the kernel stays free to hear the Stop button)."""
+        self._thread = threading.Thread(target=self.run, name="workbench-live-run", daemon=True)
+        atexit.register(self._stop_at_exit)
+        self._thread.start()
+
+    def run(self) -> None:
+        """Train in this thread; the outcome goes to ``summary`` or ``error`` and the dashboard's status line."""
+        try:
+            self.summary = run_training(self.cfg, self.out, progress=False, on_metrics=self.dashboard.update)
+        except BaseException as exc:  # surfaced by wait() and in the status line
+            self.error = exc
+        finally:
+            atexit.unregister(self._stop_at_exit)
+            shutil.rmtree(self._stop_dir, ignore_errors=True)
+            self.dashboard.finish(self.summary, self.error)
+            self._finished.set()
+
+    def _stop_at_exit(self) -> None:
+        """The interpreter is leaving with the run still training: end it, so its ranks are reaped, not orphaned."""
+        if not self.done:
+            self.stop()
+            self._finished.wait(self.cfg.timeout)
+
+    def __repr__(self) -> str:
+        state = ("failed" if self.error else "done") if self.done else "training"
+        return f"LiveRun({state}, step {self.dashboard.last_step + 1} of {self.cfg.steps})"
+
+
+def run_live(cfg: Any, out: str | Path | None = None, front_end: bool | None = None,
+             min_interval_s: float = 0.25) -> LiveRun:
+    """Train ``cfg`` with a live dashboard; returns a ``LiveRun`` (see the module docstring).
+
+    ``front_end`` (None: ``has_widget_front_end()``): True shows the dashboard and trains in a background thread
+    (the call returns at once); False trains here, shows the panels once at the end and returns a finished run.
+    Headless, a rank's error is raised here, as ``run_training`` without ``live`` would.
+    """
+    from workbench.widgets.dashboard import Dashboard, display_figure, display_widget, has_widget_front_end
+
+    if not all(hasattr(cfg, name) for name in ("nproc", "steps", "extra", "timeout")):
+        raise ValueError(f"cfg must be a workbench.train.RunConfig, got {type(cfg).__name__}")
+    front_end = has_widget_front_end() if front_end is None else front_end
+    dashboard = Dashboard(cfg.nproc, cfg.steps, live=front_end, min_interval_s=min_interval_s)
+    handle = LiveRun(cfg, out, dashboard)
+    if front_end:
+        display_widget(dashboard, f"live dashboard: {cfg.nproc} rank(s), {cfg.steps} step(s)")
+        handle.start()
+        return handle
+    handle.run()
+    if handle.error is not None:
+        raise handle.error
+    display_figure(dashboard.static_figure(), dashboard.status.value)
+    return handle
