@@ -108,33 +108,38 @@ def _run_parser(sub: Any) -> None:
                    help="on a NaN/Inf or a loss spike: warn; rollback to the newest checkpoint and skip the batches "
                         "since; or stop")
     p.add_argument("--spike-factor", type=float, default=3.0, help="a loss above this x the recent median is a spike")
+    # Flags whose default is RunConfig's own (argparse.SUPPRESS: left out of the namespace unless given).
+    p.add_argument("--weight-decay", type=float, default=argparse.SUPPRESS, help="AdamW's decoupled weight decay "
+                   "(default 0.1)")
+    p.add_argument("--min-lr-ratio", type=float, default=argparse.SUPPRESS,
+                   help="the cosine schedule ends at this x --lr (default 0.1)")
+    p.add_argument("--trace-steps", type=int, default=argparse.SUPPRESS,
+                   help="trace (spans, collectives, memory) the last K steps for the report (default 5)")
+
+
+#: RunConfig fields with no ``run`` flag: set from Python only (the live dashboard's stop file rides in ``extra``).
+NOT_FLAGS = ("extra",)
 
 
 def _config_from_args(args: argparse.Namespace) -> Any:
+    """The parsed ``run`` flags as a ``RunConfig``, field by field under the same names (no hand copy to drift):
+    every field but ``NOT_FLAGS`` has a flag (``tests/test_train_cli.py`` checks it; a flag left out keeps
+    RunConfig's default, where it has ``argparse.SUPPRESS``), and three flags are spelt
+    for the command line: ``--nproc`` defaults to torchrun's WORLD_SIZE, ``--clip 0`` disables clipping (None),
+    ``--backend auto`` follows the device (None)."""
+    from dataclasses import fields
+
     from workbench.launch import under_torchrun
     from workbench.train import RunConfig
 
-    if args.nproc is not None:
-        nproc = args.nproc
-    else:
-        nproc = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+    values = {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
+    if values["nproc"] is None:
+        values["nproc"] = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
     if args.clip is not None and args.clip < 0:
         raise ValueError(f"clip must be >= 0 (0 disables clipping), got {args.clip}")
-    return RunConfig(model=args.model, seq_len=args.seq_len, nproc=nproc, dp=args.dp, tp=args.tp, pp=args.pp,
-                     sp=args.sp, schedule=args.schedule, microbatches=args.microbatches,
-                     virtual_stages=args.virtual_stages, steps=args.steps,
-                     batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
-                     clip=args.clip or None, seed=args.seed, ddp=args.ddp, bucket_mb=args.bucket_mb,
-                     zero=args.zero, zero3_replicate=args.zero3_replicate, offload=args.offload,
-                     recompute=args.recompute, data=args.data,
-                     precision=args.precision, reduce_dtype=args.reduce_dtype,
-                     init_loss_scale=args.init_loss_scale, loss_scale_growth_interval=args.loss_scale_growth_interval,
-                     timeout=args.timeout,
-                     device=args.device, backend=None if args.backend == "auto" else args.backend, port=args.port,
-                     ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, resume=args.resume,
-                     async_ckpt=args.async_ckpt, export=args.export, max_restarts=args.max_restarts,
-                     inject_fault=args.inject_fault, val_every=args.val_every, val_fraction=args.val_fraction,
-                     on_spike=args.on_spike, spike_factor=args.spike_factor)
+    values["clip"] = args.clip or None
+    values["backend"] = None if args.backend == "auto" else args.backend
+    return RunConfig(**values)
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

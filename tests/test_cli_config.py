@@ -1,0 +1,38 @@
+"""``workbench run``'s flags and ``RunConfig`` cannot drift: every field has a flag, the flags' defaults are the
+config's, and the parsed namespace becomes a config field by field (no hand copy in cli.py)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from workbench.cli import NOT_FLAGS, _config_from_args, build_parser
+from workbench.train import RunConfig
+
+
+def _parsed(*flags: str) -> RunConfig:
+    return _config_from_args(build_parser().parse_args(["run", *flags]))
+
+
+def test_every_run_config_field_has_a_run_flag() -> None:
+    run = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    dests = {a.dest for a in run._actions}
+    missing = [f.name for f in fields(RunConfig) if f.name not in dests and f.name not in NOT_FLAGS]
+    assert not missing, f"RunConfig fields without a `workbench run` flag: {missing}"
+
+
+def test_the_flags_defaults_are_run_configs_defaults() -> None:
+    assert _parsed().to_dict() == RunConfig().to_dict()
+
+
+@pytest.mark.parametrize("flags, field, value", [
+    (["--weight-decay", "0.05"], "weight_decay", 0.05),
+    (["--min-lr-ratio", "0.2"], "min_lr_ratio", 0.2),
+    (["--trace-steps", "2"], "trace_steps", 2),
+    (["--clip", "0"], "clip", None),             # 0 disables clipping
+    (["--backend", "auto"], "backend", None),    # auto follows the device
+    (["--zero3-replicate", "*norm", "--zero", "3", "--nproc", "2"], "zero3_replicate", ["*norm"]),
+])
+def test_a_flag_lands_in_its_field(flags: list[str], field: str, value: object) -> None:
+    assert getattr(_parsed(*flags), field) == value
