@@ -58,7 +58,7 @@ _RANK_DEVICE_ENV = "WORKBENCH_RANK_DEVICE"
 _TERMINATE_GRACE_S = 2.0
 _DEATH_DRAIN_S = 0.5
 _ROOT_CAUSE_WINDOW_S = 1.0
-_TIMEOUT_ENV = "WORKBENCH_TIMEOUT"
+TIMEOUT_ENV = "WORKBENCH_TIMEOUT"
 
 
 class RankError(RuntimeError):
@@ -272,7 +272,7 @@ def _run_under_torchrun(fn: Callable[..., Any], world_size: int, placement: Plac
     rank = int(os.environ["RANK"])
     _Reporter.send = (lambda obj: on_report(rank, obj)) if on_report is not None else None
     _bind_device(placement.device, int(os.environ.get("LOCAL_RANK", 0)))
-    os.environ[_TIMEOUT_ENV] = str(timeout)
+    os.environ[TIMEOUT_ENV] = str(timeout)
     owns_group = not dist.is_initialized()
     if owns_group:
         _init_torchrun_group(placement.backend, timeout)
@@ -302,7 +302,8 @@ def _init_torchrun_group(backend: str, timeout: float) -> None:
 # Notebook / script: spawn the ranks ourselves.
 
 
-def _context() -> Any:
+def mp_context() -> Any:
+    """The multiprocessing context ranks start from (``launch`` and ``rank_pool``): a forkserver."""
     ctx = mp.get_context("forkserver")
     # Preloading makes each rank a fork of a process that has already paid torch's import (~1 s).
     ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "workbench.launch"])
@@ -312,13 +313,13 @@ def _context() -> Any:
 def _spawn_and_run(fn: Callable[..., Any], world_size: int, placement: Placement, timeout: float, port: int,
                    on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict,
                    attempt: int = 0) -> RankResults:
-    ctx = _context()
+    ctx = mp_context()
     payload = cloudpickle.dumps((fn, args, kwargs))
-    store = _host_store(port, world_size, timeout)
+    store = host_store(port, world_size, timeout)
     messages = ctx.Queue()
     procs = []
     try:
-        with _main_not_reimported():
+        with main_not_reimported():
             for rank in range(world_size):
                 p = ctx.Process(target=_rank_main, name=f"workbench-rank{rank}", daemon=True,
                                 args=(rank, world_size, store.port, placement, timeout, payload, messages,
@@ -327,14 +328,14 @@ def _spawn_and_run(fn: Callable[..., Any], world_size: int, placement: Placement
                 procs.append(p)
         return _supervise(procs, messages, timeout, on_report)
     finally:
-        _stop_all(procs)
+        stop_all(procs)
         messages.close()
         messages.join_thread()
         del store
 
 
 @contextlib.contextmanager
-def _main_not_reimported() -> Any:
+def main_not_reimported() -> Any:
     """Ranks get ``fn`` by value (cloudpickle) and never need the caller's ``__main__``, but multiprocessing
     re-imports it by path in each child: that fails for a script read from stdin (``python - <<EOF``, path
     ``<stdin>``). Hide a path that is not a file while the ranks start."""
@@ -350,7 +351,7 @@ def _main_not_reimported() -> Any:
         main.__file__ = path
 
 
-def _host_store(port: int, world_size: int, timeout: float) -> Any:
+def host_store(port: int, world_size: int, timeout: float) -> Any:
     """The rendezvous store, hosted here; a port already taken is a clear ValueError, not a C++ trace."""
     try:
         return dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=True, wait_for_workers=False,
@@ -377,7 +378,7 @@ def _supervise(procs: list[Any], messages: Any, timeout: float,
         # One failure causes others (peers see "connection closed", waiting ranks time out): listen a
         # moment longer so the root cause and the rank that never joined can be told apart.
         _collect_for(_ROOT_CAUSE_WINDOW_S, procs, messages, results, errors, dead_since)
-        _stop_all(procs)
+        stop_all(procs)
         _drain(messages, results, errors)
         raise _explain(errors, results, world_size, timeout)
     _drain(messages, results, errors, on_report)
@@ -395,7 +396,7 @@ def _check_deaths(procs: list[Any], results: dict, errors: list, dead_since: dic
         # Its last messages may still be in the queue: give them a moment before calling it a death.
         dead_since.setdefault(rank, now)
         if now - dead_since[rank] > _DEATH_DRAIN_S:
-            errors.append(_death_error(rank, p.exitcode))
+            errors.append(death_error(rank, p.exitcode))
 
 
 def _collect_for(seconds: float, procs: list[Any], messages: Any, results: dict, errors: list,
@@ -437,7 +438,7 @@ def _drain(messages: Any, results: dict, errors: list,
         _handle(msg, results, errors, on_report)
 
 
-def _death_error(rank: int, exit_code: int) -> RankError:
+def death_error(rank: int, exit_code: int) -> RankError:
     if exit_code < 0:
         try:
             how = f"was killed by {signal.Signals(-exit_code).name}"
@@ -484,7 +485,7 @@ def _explain(errors: list[RankError], results: dict, world_size: int, timeout: f
                      first.exit_code)
 
 
-def _stop_all(procs: list[Any]) -> None:
+def stop_all(procs: list[Any]) -> None:
     """SIGTERM every live rank, then SIGKILL what is still there after a grace period; reap all."""
     for p in procs:
         if p.is_alive():
@@ -506,14 +507,14 @@ def _rank_main(rank: int, world_size: int, port: int, placement: Placement, time
                messages: Any, parent_pid: int, listens: bool, attempt: int = 0) -> None:
     pumps = _redirect_output(rank, messages)
     _Reporter.send = (lambda obj: messages.put(("report", rank, obj))) if listens else None
-    _exit_when_parent_dies(parent_pid)
-    _set_rank_env(rank, world_size, port)
-    os.environ[_TIMEOUT_ENV] = str(timeout)
+    exit_when_parent_dies(parent_pid)
+    set_rank_env(rank, world_size, port)
+    os.environ[TIMEOUT_ENV] = str(timeout)
     os.environ[RESTART_ENV[0]] = str(attempt)
     ok = False
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
-        _init_process_group(rank, world_size, port, placement, timeout)
+        init_rank_process_group(rank, world_size, port, placement, timeout)
         with trace.tracing(rank=rank, world_size=world_size) as tracer:
             result = fn(*args, **kwargs)
         messages.put(("ok", rank, cloudpickle.dumps((result, tracer.trace))))
@@ -533,10 +534,10 @@ def _rank_main(rank: int, world_size: int, port: int, placement: Placement, time
 def group_timeout() -> datetime.timedelta:
     """The collective timeout ``launch`` gave this rank; sub-groups (``Mesh``) must use it too, since
     torch gives a new group 30 minutes by default, whatever the world group has."""
-    return datetime.timedelta(seconds=float(os.environ.get(_TIMEOUT_ENV, 60.0)))
+    return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, 60.0)))
 
 
-def _set_rank_env(rank: int, world_size: int, port: int) -> None:
+def set_rank_env(rank: int, world_size: int, port: int) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
@@ -549,7 +550,7 @@ def _bind_device(device: str, local_rank: int) -> None:
         torch.cuda.set_device(local_rank)
 
 
-def _init_process_group(rank: int, world_size: int, port: int, placement: Placement, timeout: float) -> None:
+def init_rank_process_group(rank: int, world_size: int, port: int, placement: Placement, timeout: float) -> None:
     td = datetime.timedelta(seconds=timeout)
     _bind_device(placement.device, rank)  # spawned ranks all live on this node: local rank = rank
     if placement.device == "cpu":
@@ -603,7 +604,7 @@ def _restore_output(pumps: list[threading.Thread]) -> None:
         pump.join(5.0)
 
 
-def _exit_when_parent_dies(parent_pid: int) -> None:
+def exit_when_parent_dies(parent_pid: int) -> None:
     def watch() -> None:
         while True:
             time.sleep(1.0)

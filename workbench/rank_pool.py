@@ -50,18 +50,18 @@ from typing import Any
 
 from workbench import trace
 from workbench.launch import (
-    _TIMEOUT_ENV,
+    TIMEOUT_ENV,
     Placement,
-    _context,
-    _death_error,
-    _exit_when_parent_dies,
-    _host_store,
-    _init_process_group,
-    _main_not_reimported,
-    _set_rank_env,
-    _stop_all,
+    death_error,
+    exit_when_parent_dies,
+    host_store,
+    init_rank_process_group,
+    main_not_reimported,
+    mp_context,
     rank_device,
     resolve_placement,
+    set_rank_env,
+    stop_all,
 )
 
 #: Seconds a rank may take beyond the collective timeout before the caller calls it hung: the process
@@ -139,11 +139,11 @@ class RankPool:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        ctx = _context()
-        self._store = _host_store(0, self.world_size, self.timeout)
+        ctx = mp_context()
+        self._store = host_store(0, self.world_size, self.timeout)
         self.broken = None
         try:
-            with _main_not_reimported():
+            with main_not_reimported():
                 for rank in range(self.world_size):
                     ours, theirs = ctx.Pipe(duplex=True)
                     p = ctx.Process(target=_worker_main, name=f"workbench-pool-rank{rank}", daemon=True,
@@ -170,7 +170,7 @@ class RankPool:
             except EOFError:
                 self._procs[rank].join(1.0)
                 code = self._procs[rank].exitcode
-                how = _death_error(rank, code).message if code is not None else "no exit code yet"
+                how = death_error(rank, code).message if code is not None else "no exit code yet"
                 raise RuntimeError(f"rank {rank} died while starting ({how}); see the kernel's stderr") from None
             if kind != "ready":
                 raise RuntimeError(f"rank {rank} failed to start:\n{payload}")
@@ -185,7 +185,7 @@ class RankPool:
         deadline = time.time() + 1.0
         for p in self._procs:
             p.join(max(0.0, deadline - time.time()))
-        _stop_all(self._procs)
+        stop_all(self._procs)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._store = [], [], None
@@ -285,7 +285,7 @@ class RankPool:
         except (EOFError, OSError):
             p = self._procs[rank]
             p.join(1.0)
-            how = _death_error(rank, p.exitcode).message if p.exitcode is not None else "its pipe closed"
+            how = death_error(rank, p.exitcode).message if p.exitcode is not None else "its pipe closed"
             return RankResult(rank, error=f"rank {rank} died: {how}", lost=True)
 
 
@@ -320,14 +320,14 @@ def _rss_bytes(pid: int | None) -> int | None:
 def _worker_main(rank: int, world_size: int, port: int, placement: Placement, timeout: float,
                  conn: Any, parent_pid: int) -> None:
     _die_with_parent()
-    _exit_when_parent_dies(parent_pid)
-    _set_rank_env(rank, world_size, port)
-    os.environ[_TIMEOUT_ENV] = str(timeout)
+    exit_when_parent_dies(parent_pid)
+    set_rank_env(rank, world_size, port)
+    os.environ[TIMEOUT_ENV] = str(timeout)
     # Line-buffered streams on fds 1 and 2, which each run points at a capture file.
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     try:
-        _init_process_group(rank, world_size, port, placement, timeout)
+        init_rank_process_group(rank, world_size, port, placement, timeout)
         namespace = _fresh_namespace(rank, world_size)
         conn.send(("ready", str(namespace["device"])))
     except BaseException:  # noqa: BLE001 - a failed start is reported to the caller

@@ -78,7 +78,8 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
-def _preset(model: str | dict) -> dict:
+def resolve_preset(model: str | dict) -> dict:
+    """A model's shape: ``model`` itself when it is a dict, else ``MODEL_PRESETS[model]`` (ValueError if unknown)."""
     if isinstance(model, dict):
         return model
     if model not in MODEL_PRESETS:
@@ -99,10 +100,10 @@ def activation_bytes_per_layer(
     For the llama-like presets this is the GPT estimate with a 4h MLP: roughly a lower bound, since a SwiGLU
     MLP saves about four 2.7h-wide tensors where a GeLU MLP saves two 4h ones.
     """
-    shape = _preset(model)
+    shape = resolve_preset(model)
     s = seq_len if seq_len is not None else shape["seq_len"]
     return activation_bytes(batch, s, shape["d_model"], 1, shape["n_head"], bytes_per_value, recompute,
                             dropout=shape.get("dropout", True))
 
 
-__all__ = ["MODEL_PRESETS", "activation_bytes_per_layer", "gpt_param_count"]
+__all__ = ["MODEL_PRESETS", "activation_bytes_per_layer", "gpt_param_count", "resolve_preset"]

@@ -61,7 +61,7 @@ from workbench.theory.memory import (
     model_state_bytes,
     offloaded_bytes,
 )
-from workbench.theory.models import _preset
+from workbench.theory.models import resolve_preset
 from workbench.theory.pipeline import (
     bubble_fraction,
     make_plan,
@@ -143,7 +143,7 @@ class Layout:
         if nproc is not None and self.nproc != nproc:
             raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.nproc} but nproc={nproc}: "
                              f"the mesh must use every rank; leave dp out to get nproc / (tp x pp)")
-        shape = _preset(model)
+        shape = resolve_preset(model)
         if shape["n_head"] % self.tp:
             valid = [t for t in range(1, shape["n_head"] + 1) if shape["n_head"] % t == 0]
             raise ValueError(f"tp={self.tp} must divide the model's n_head={shape['n_head']} (heads are split "
@@ -198,7 +198,7 @@ def param_parts(model: str | dict) -> dict[str, ParamPart]:
     "llama" (published totals): the block is the total less embedding, head and final norm, over n_layer;
     its two RMSNorms (2d) whole; untied embedding and head of V·d each, split; final RMSNorm d whole.
     """
-    shape = _preset(model)
+    shape = resolve_preset(model)
     d, v, n_layer = shape["d_model"], shape["vocab_size"], shape["n_layer"]
     arch = shape.get("arch", "gpt" if shape.get("exact") else "llama")
     if arch == "gpt":
@@ -219,7 +219,7 @@ def stage_params(model: str | dict, tp: int = 1, pp: int = 1, virtual_stages: in
 
     With tp = pp = 1 the one rank's "params" is the model's n_params.
     """
-    shape = _preset(model)
+    shape = resolve_preset(model)
     parts = param_parts(shape)
     n_stages = pp * virtual_stages
     layers = [len(r) for r in stage_layers(shape["n_layer"], n_stages)]
@@ -261,7 +261,7 @@ def layout_memory(
     per_rank {category: bytes}, cpu {category: bytes}, total), "worst" (the index of the largest total),
     "per_rank" and "total" of the worst, and "activation_per_layer" (one layer, one micro-batch).
     """
-    shape = _preset(model)
+    shape = resolve_preset(model)
     layout.validate(shape, seq_len)
     _choice("precision", precision, sorted(PRECISIONS))
     _choice("optimizer", optimizer, list(OPTIMIZERS))
@@ -376,7 +376,7 @@ def layout_comm(
     Returns {axis: {group_size, link, ops [(op, S bytes, count)], tensor_bytes, wire_bytes, time_s, pp_rank}}
     for "dp", "tp", "pp", and "total_time_s" (their sum: nothing overlapped). Axes of size 1 have no ops.
     """
-    shape = _preset(model)
+    shape = resolve_preset(model)
     layout.validate(shape, seq_len)
     _positive_int("micro_batch", micro_batch)
     link = {**DEFAULT_LINKS, **(links or {})}

@@ -20,7 +20,7 @@ bytes exactly Ψ/N plus padding (``flat.py`` says how and why).
 
 Where each idea lives (read them in this order):
 
-``flat.py``           the flat-bucket layout all stages share: ``_Bucket``, bucketing, step pieces, sizes
+``flat.py``           the flat-bucket layout all stages share: ``Bucket``, bucketing, step pieces, sizes
 ``optimizer.py``      ``ZeroOptimizer``: stage 1's sharded step and all-gather, clipping over shards, stage 3's step
 ``gradients.py``      stage 2: each bucket's gradient reduce-scattered into the shard while backward runs
 ``fully_sharded.py``  stage 3: ``FullyShardedModel``, its units (``default_units``, ``units_from_policy``),

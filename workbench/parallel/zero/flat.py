@@ -11,11 +11,11 @@ parameters become views into the bucket buffers (DeepSpeed's "contiguous gradien
 all-gather writes the updated weights straight into the model and the optimizer steps a view of the owned
 slice: no extra copy of the parameters exists.
 
-Here: ``_Bucket`` (a stage 0-2 bucket: the flat buffer, the owned shard, the bucket's gradient as one flat
-tensor or as this rank's slice), ``_bucket_params`` (which parameters share a bucket), ``_step_chunks``
-(the cache-sized pieces the inner optimizer steps), ``_all_gather_accepts_own_slice`` (whether a shard can
-be all-gathered without a staging copy), and two helpers the stages share (``_ceil_div``,
-``_queue_end_of_backward``).
+Here: ``Bucket`` (a stage 0-2 bucket: the flat buffer, the owned shard, the bucket's gradient as one flat
+tensor or as this rank's slice), ``_bucket_params`` (which parameters share a bucket), ``step_chunks``
+(the cache-sized pieces the inner optimizer steps), ``all_gather_accepts_own_slice`` (whether a shard can
+be all-gathered without a staging copy), and two helpers the stages share (``ceil_div``,
+``queue_end_of_backward``).
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ STEP_CHUNK_BYTES = 1 << 20
 _IN_PLACE_ALL_GATHER_BACKENDS = frozenset({"gloo", "nccl"})
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _queue_end_of_backward(callback: Any) -> None:
+def queue_end_of_backward(callback: Any) -> None:
     """Run ``callback`` once the current backward pass has finished (what torch DDP does too)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-class _Bucket:
+class Bucket:
     """Whole parameters laid end to end in one flat buffer of ``parts`` × ``shard_numel`` elements.
 
     The model's parameters become views of ``flat``; partition rank r owns
@@ -63,7 +63,7 @@ class _Bucket:
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
-        self.shard_numel = _ceil_div(self.numel, parts)
+        self.shard_numel = ceil_div(self.numel, parts)
         self.parts, self.part_rank = parts, part_rank
         first = params[0]
         self.flat = torch.zeros(parts * self.shard_numel, dtype=first.dtype, device=first.device)
@@ -157,12 +157,12 @@ def _bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.P
     return buckets
 
 
-def _step_chunks(t: torch.Tensor) -> list[torch.Tensor]:
+def step_chunks(t: torch.Tensor) -> list[torch.Tensor]:
     """``t`` as consecutive leaf views of at most ``STEP_CHUNK_BYTES`` each (see its comment for why)."""
     return list(t.detach().split(max(1, STEP_CHUNK_BYTES // t.element_size())))
 
 
-def _all_gather_accepts_own_slice(group: Any) -> bool:
+def all_gather_accepts_own_slice(group: Any) -> bool:
     """Whether an all-gather on ``group`` may read its input from the output buffer (see the backend list)."""
     if not comm.is_distributed() or comm.group_size(group) == 1:
         return True  # comm.all_gather copies input to output, and copy_ onto itself is a no-op

@@ -45,8 +45,8 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from workbench import comm, trace
-from workbench.parallel.zero.flat import _ceil_div, _queue_end_of_backward
-from workbench.parallel.zero.offload import _offload_copy
+from workbench.parallel.zero.flat import ceil_div, queue_end_of_backward
+from workbench.parallel.zero.offload import offload_copy
 
 if TYPE_CHECKING:  # only the type: a strategy file imports no training-layer module at run time
     from workbench.precision import MixedPrecision
@@ -75,7 +75,7 @@ class _Unit:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         numel = sum(self.numels)
-        self.shard_numel = _ceil_div(numel, world)
+        self.shard_numel = ceil_div(numel, world)
         self.split_sizes = [*self.numels, world * self.shard_numel - numel]
         self.dtype, self.device = params[0].dtype, params[0].device  # the shard's (the master's) dtype
         # What the gathered unit computes in and what its gradient is reduce-scattered in (None: as produced).
@@ -85,7 +85,7 @@ class _Unit:
                          + [params[0].new_zeros(self.split_sizes[-1])])
         shard = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone()
         self.offloaded = offload_device is not None
-        self.shard = nn.Parameter(_offload_copy(shard, torch.device(offload_device)) if self.offloaded else shard)
+        self.shard = nn.Parameter(offload_copy(shard, torch.device(offload_device)) if self.offloaded else shard)
         self.shard._zero_shard = True
         self.shard._zero_offloaded = self.offloaded
         self.full: torch.Tensor | None = None
@@ -477,7 +477,7 @@ class FullyShardedModel(nn.Module):
         unit.t0 = time.time()
         if not self._callback_queued:
             self._callback_queued = True
-            _queue_end_of_backward(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
         self._start_gather(unit)
         self._wait(unit)
         if self.prefetch:  # backward visits the root (its hook is on the loss), then units in reverse order
@@ -503,13 +503,13 @@ class FullyShardedModel(nn.Module):
         comm.reduce_scatter(shard_grad, grad_full.contiguous(), op="avg", group=self.group, tag="grad")
         _record_span(f"backward {unit.name}", "backward", unit.t0)
         shard_grad = shard_grad.to(unit.dtype)  # into the fp32 master's gradient (a no-op without a policy)
-        return _offload_copy(shard_grad, unit.shard.device) if unit.offloaded else shard_grad
+        return offload_copy(shard_grad, unit.shard.device) if unit.offloaded else shard_grad
 
     def _on_replicated_grad(self, param: nn.Parameter) -> None:
         """A replicated parameter's gradient is final for this backward: reduce all of them once it ends."""
         if not self._callback_queued:
             self._callback_queued = True
-            _queue_end_of_backward(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

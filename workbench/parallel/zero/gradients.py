@@ -2,7 +2,7 @@
 
 Stage 2 (P_os+g, Rajbhandari et al. 2020 §5.2) keeps only this rank's shard of every gradient. A
 post-accumulate-grad hook on each parameter marks it ready; once a bucket's last parameter is ready, the
-bucket's gradient (one flat tensor, ``flat._Bucket.flat_grad``) is reduce-scattered (averaged) into this
+bucket's gradient (one flat tensor, ``flat.Bucket.flat_grad``) is reduce-scattered (averaged) into this
 rank's shard, asynchronously, and the full ``.grad`` tensors are freed. Buckets hold parameters in reverse
 registration order, the order backward produces their gradients, so the first buckets' communication
 overlaps the rest of backward; they are launched strictly in bucket order, so every rank issues the same
@@ -14,7 +14,7 @@ stage 1, 2Ψ) and stage 0 all-reduces; without it the gradients arrived averaged
 stage 1 only takes its slice. Stage 3 has nothing to do here: ``FullyShardedModel`` reduce-scatters each
 unit's gradient inside autograd.
 
-Here: ``_GradientReduction``, the part of a ``ZeroOptimizer`` that owns those hooks and in-flight
+Here: ``GradientReduction``, the part of a ``ZeroOptimizer`` that owns those hooks and in-flight
 reductions.
 """
 
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from workbench import comm, trace
-from workbench.parallel.zero.flat import _Bucket, _queue_end_of_backward
+from workbench.parallel.zero.flat import Bucket, queue_end_of_backward
 
 
-class _GradientReduction:
+class GradientReduction:
     """Averages each bucket's gradient over ``group`` into the bucket's ``shard_grad`` (see the module doc).
 
     ``record_memory`` is called whenever the gradients changed hands (end of backward, ``finish()``), so the
@@ -38,12 +38,12 @@ class _GradientReduction:
     ``step()`` and ``zero_grad()``.
     """
 
-    def __init__(self, buckets: list[_Bucket], group: Any, stage: int, reduce_grads: bool,
+    def __init__(self, buckets: list[Bucket], group: Any, stage: int, reduce_grads: bool,
                  record_memory: Callable[[], None]) -> None:
         self.buckets, self.group, self.stage, self.reduce_grads = buckets, group, stage, reduce_grads
         self._record_memory = record_memory
         self._bucket_of = {id(p): b for b in buckets for p in b.params}
-        self._pending: list[tuple[_Bucket, Any, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[Bucket, Any, torch.Tensor, torch.Tensor]] = []
         self._next_bucket = 0
         self._callback_queued = False
         self._no_sync = False
@@ -82,7 +82,7 @@ class _GradientReduction:
         """Add up, over its ``partial_grads`` group, each bucket's gradient shard that holds partial sums
         (sequence parallelism: each tp rank's share of a LayerNorm's gradient). Every rank of that group has
         the same bucket layout, so the same shard slice meets the same slice; one flat all-reduce per group."""
-        by_group: dict[tuple[int, str], list[_Bucket]] = {}
+        by_group: dict[tuple[int, str], list[Bucket]] = {}
         for b in self.buckets:
             if b.partial_grads is not None and b.shard_grad is not None:
                 by_group.setdefault((id(b.partial_grads[0]), b.partial_grads[1]), []).append(b)
@@ -97,7 +97,7 @@ class _GradientReduction:
             return
         if not self._callback_queued:
             self._callback_queued = True
-            _queue_end_of_backward(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
         self._bucket_of[id(p)].ready.add(id(p))
         # Launch strictly in bucket order, so every rank issues the same collectives in the same order.
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].is_ready():
@@ -121,7 +121,7 @@ class _GradientReduction:
         for b in self.buckets:
             b.ready.clear()
 
-    def _launch(self, b: _Bucket, free_full_grads: bool) -> None:
+    def _launch(self, b: Bucket, free_full_grads: bool) -> None:
         """Start the average of bucket ``b``'s gradient: reduce-scatter into the shard (all-reduce at stage 0)."""
         flat = b.flat_grad()
         if flat is None:

@@ -9,7 +9,7 @@ gradients, on ``offload_device``; each all-gather first copies the shard to the 
 (``fully_sharded.py``), and the optimizer steps those shards in place, with no master copy.
 Offloaded bytes are not device bytes: the ledger leaves them out and ``offloaded_bytes()`` reports them.
 
-Here: ``_offload_copy`` (a copy on the offload device, pinned when it backs a GPU) and ``_master_copies``.
+Here: ``offload_copy`` (a copy on the offload device, pinned when it backs a GPU) and ``master_copies``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 
-def _offload_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def offload_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of ``t`` on the offload device. Host memory that backs a GPU is pinned (page-locked), so the
     PCIe copies run by DMA at full speed instead of through a pageable bounce buffer (ZeRO-Offload, Ren et
     al. 2021, section 4). The copy is blocking: the CPU optimizer reads it right away."""
@@ -26,7 +26,7 @@ def _offload_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out.copy_(t)
 
 
-def _master_copies(shards: list[torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+def master_copies(shards: list[torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
     """An fp32 master copy of each stepped shard on ``device``, by ``id`` of the shard. Shards that already
     live there (``FullyShardedModel(offload_params=True)``) are stepped in place and get none."""
-    return {id(t): _offload_copy(t.detach(), device) for t in shards if not getattr(t, "_zero_offloaded", False)}
+    return {id(t): offload_copy(t.detach(), device) for t in shards if not getattr(t, "_zero_offloaded", False)}

@@ -24,13 +24,13 @@ from workbench import comm, trace
 from workbench.launch import rank_device
 from workbench.parallel.zero.flat import (
     DEFAULT_BUCKET_MB,
-    _all_gather_accepts_own_slice,
-    _Bucket,
+    Bucket,
     _bucket_params,
-    _step_chunks,
+    all_gather_accepts_own_slice,
+    step_chunks,
 )
-from workbench.parallel.zero.gradients import _GradientReduction
-from workbench.parallel.zero.offload import _master_copies, _offload_copy
+from workbench.parallel.zero.gradients import GradientReduction
+from workbench.parallel.zero.offload import master_copies, offload_copy
 
 VALID_STAGES = (0, 1, 2, 3)
 #: Param-group keys this optimizer reads itself (not passed to the inner optimizer), for a model that is also
@@ -134,32 +134,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = _param_groups(params)
         _check_stage_matches_params(stage, groups)
         _check_own_keys(stage, groups)
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         parts, part_rank = (1, 0) if stage == 0 else (self.world, self.rank)
         inner_groups = []
         for g in groups:
             if stage == 3:
                 tensors = list(g["params"])
             else:
-                new = [_Bucket(b, parts, part_rank) for b in _bucket_params(g["params"], int(bucket_cap_mb * 2**20))]
+                new = [Bucket(b, parts, part_rank) for b in _bucket_params(g["params"], int(bucket_cap_mb * 2**20))]
                 for b in new:
                     b.norm_share, b.partial_grads = float(g.get(NORM_SHARE, 1.0)), g.get(PARTIAL_GRADS)
                 self.buckets += new
                 tensors = [b.shard for b in new]
             inner_groups.append({**{k: v for k, v in g.items() if k not in ("params", *_OWN_KEYS)}, "params": tensors})
         self._sharded = [t for g in inner_groups for t in g["params"]]  # what step() updates, on device
-        self._masters = _master_copies(self._sharded, self.offload_device) if offload else {}
+        self._masters = master_copies(self._sharded, self.offload_device) if offload else {}
         for b in self.buckets:
-            b.chunks = _step_chunks(self._masters.get(id(b.shard), b.shard))
+            b.chunks = step_chunks(self._masters.get(id(b.shard), b.shard))
         chunks = {id(b.shard): b.chunks for b in self.buckets}
         for g in inner_groups:
             g["params"] = [c for t in g["params"] for c in chunks.get(id(t), [self._masters.get(id(t), t)])]
         self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
-        self._gather_in_place = _all_gather_accepts_own_slice(group)
+        self._gather_in_place = all_gather_accepts_own_slice(group)
         self.defaults = self.optimizer.defaults
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._reduction = _GradientReduction(self.buckets, group, stage, self.reduce_grads, self._record_memory)
+        self._reduction = GradientReduction(self.buckets, group, stage, self.reduce_grads, self._record_memory)
         self._record_memory()
 
     # -- torch.optim.Optimizer surface ---------------------------------------------------------------
@@ -271,7 +271,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (stage 0/1) the shard from ``.grad``, reducing it first when ``reduce_grads``. Idempotent per step."""
         self._reduction.finish()
 
-    def _attach_grads(self, bucket: _Bucket | None = None) -> None:
+    def _attach_grads(self, bucket: Bucket | None = None) -> None:
         """Give the stepped tensors their gradient: stage 3's shards (``bucket`` ignored), or the pieces of
         ``bucket``'s shard (views of its gradient shard, or of the offloaded master's copy of it);
         ``bucket=None`` at stages 0-2 clears every piece's gradient."""
@@ -279,7 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for t in self._sharded:
                 if id(t) in self._masters:
                     master = self._masters[id(t)]
-                    master.grad = None if t.grad is None else _offload_copy(t.grad, self.offload_device)
+                    master.grad = None if t.grad is None else offload_copy(t.grad, self.offload_device)
             return
         if bucket is None:
             for b in self.buckets:
@@ -289,7 +289,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grad = bucket.shard.grad = bucket.shard_grad
         master = self._masters.get(id(bucket.shard))
         if master is not None:
-            grad = master.grad = None if grad is None else _offload_copy(grad, self.offload_device)
+            grad = master.grad = None if grad is None else offload_copy(grad, self.offload_device)
         pieces = [None] * len(bucket.chunks) if grad is None else grad.split([c.numel() for c in bucket.chunks])
         for c, g in zip(bucket.chunks, pieces, strict=True):
             c.grad = g
@@ -387,7 +387,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if id(t) in self._masters:
                 t.copy_(self._masters[id(t)])
 
-    def _start_all_gather(self, b: _Bucket) -> tuple[Any, int]:
+    def _start_all_gather(self, b: Bucket) -> tuple[Any, int]:
         """Launch the async all-gather of bucket ``b``'s updated shard into ``b.flat`` (the model's params).
 
         The input is this rank's own slice of the output. Where the backend allows that (NCCL, gloo) it is sent
