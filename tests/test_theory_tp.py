@@ -41,5 +41,5 @@ def test_vocab_parallel_embedding_head_and_loss():
     lambda: tp_vocab_collectives(B, -1, H),
 ])
 def test_bad_sizes_raise(call):
-    with pytest.raises(ValueError, match="must be an integer >= 1"):
+    with pytest.raises(ValueError, match="must be a positive int"):
         call()

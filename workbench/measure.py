@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from workbench.theory.calibration import LinkModel, fit_ring_allreduce
+from workbench.theory.checks import positive_int
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "gloo all_reduce")
 QUICK_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)  # 4 KiB ... 2 MiB: enough to pin both α and B
@@ -58,8 +59,7 @@ def allreduce_sweep(world: int, sizes: Sequence[int], reps: int = 5, algorithms:
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"unknown algorithm(s) {unknown}; valid choices: {', '.join(ALGORITHMS)}")
-    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-        raise ValueError(f"reps must be an integer >= 1, got {reps!r}")
+    positive_int("reps", reps)
     if not sizes or any(s < 4 for s in sizes):
         raise ValueError(f"sizes must be a non-empty list of byte counts >= 4, got {list(sizes)!r}")
     if "hierarchical" in algorithms and (node_size < 1 or world % node_size):

@@ -63,6 +63,7 @@ from workbench.launch import (
     set_rank_env,
     stop_all,
 )
+from workbench.theory.checks import positive_int, positive_number
 
 #: Seconds a rank may take beyond the collective timeout before the caller calls it hung: the process
 #: group's own timeout error (which names the collective) should arrive first.
@@ -123,11 +124,10 @@ class RankPool:
 
     def __init__(self, world_size: int, timeout: float = 60.0, device: str | None = None,
                  backend: str | None = None) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        positive_int("world_size", world_size)
         self.placement = resolve_placement(world_size, device, backend)
         self.world_size = world_size
-        self.timeout = _positive(timeout, "timeout")
+        self.timeout = positive_number("timeout", timeout, "seconds")
         self.broken: str | None = None
         self.last_results: list[RankResult] = []
         self._procs: list[Any] = []
@@ -223,7 +223,7 @@ class RankPool:
         if not isinstance(code, str):
             raise ValueError(f"code must be a str, got {type(code).__name__}")
         chosen = self.check_ranks(ranks)
-        wait = self.timeout + _ANSWER_GRACE_S if timeout is None else _positive(timeout, "timeout")
+        wait = self.timeout + _ANSWER_GRACE_S if timeout is None else positive_number("timeout", timeout, "seconds")
         if not self.running:
             raise PoolBrokenError("the pool is stopped; start one (RankPool(...) / %ranks start N)")
         if self.broken:
@@ -287,12 +287,6 @@ class RankPool:
             p.join(1.0)
             how = death_error(rank, p.exitcode).message if p.exitcode is not None else "its pipe closed"
             return RankResult(rank, error=f"rank {rank} died: {how}", lost=True)
-
-
-def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def _is_collective_timeout(error: str | None) -> bool:

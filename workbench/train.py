@@ -50,6 +50,7 @@ from workbench.mesh import Mesh
 from workbench.models import PRESETS, GPTConfig, build_gpt
 from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig, parallelize
 from workbench.recompute import check_mode as check_recompute_mode
+from workbench.theory.checks import positive_int, positive_number
 
 
 @dataclass
@@ -114,15 +115,15 @@ class RunConfig:
         self.validate()
 
     def validate(self) -> None:
-        _positive_int("nproc", self.nproc)
-        _positive_int("dp", self.dp)
-        _positive_int("steps", self.steps)
-        _positive_int("batch_size", self.batch_size)
-        _positive_int("grad_accum", self.grad_accum)
+        positive_int("nproc", self.nproc)
+        positive_int("dp", self.dp)
+        positive_int("steps", self.steps)
+        positive_int("batch_size", self.batch_size)
+        positive_int("grad_accum", self.grad_accum)
         if self.model not in PRESETS:
             raise ValueError(f"unknown model {self.model!r}; valid: {sorted(PRESETS)}")
-        _positive_int("tp", self.tp)
-        _positive_int("pp", self.pp)
+        positive_int("tp", self.tp)
+        positive_int("pp", self.pp)
         if self.dp * self.tp * self.pp != self.nproc:
             raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.dp * self.tp * self.pp} but "
                              f"nproc={self.nproc}: the mesh must use every rank; leave --dp out to get "
@@ -165,14 +166,14 @@ class RunConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"clip must be > 0 (or None to disable), got {self.clip}")
-        _positive_finite("lr", self.lr)
-        _positive_finite("timeout", self.timeout)
+        positive_number("lr", self.lr)
+        positive_number("timeout", self.timeout)
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0 (steps of linear warm-up), got {self.warmup!r}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.seq_len is not None:
-            _positive_int("seq_len", self.seq_len)
+            positive_int("seq_len", self.seq_len)
         self._validate_data()
         self._validate_checkpointing()
         self._validate_faults()
@@ -199,7 +200,7 @@ class RunConfig:
                              f"for validation, e.g. 0.1), got {vf!r}")
         if self.val_every is None:
             return
-        _positive_int("val_every", self.val_every)
+        positive_int("val_every", self.val_every)
         if self.pp > 1:
             raise ValueError("val_every with pp > 1 is not supported yet: validation runs a plain forward, and a "
                              "pipeline's forward needs its schedule; leave --val-every out")
@@ -220,7 +221,7 @@ class RunConfig:
                 raise ValueError("resume needs ckpt_dir (--ckpt-dir DIR): the directory to resume from")
             return
         if self.ckpt_every is not None:
-            _positive_int("ckpt_every", self.ckpt_every)
+            positive_int("ckpt_every", self.ckpt_every)
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int)
                                       or self.keep < 1):
             raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {self.keep!r}")
@@ -237,7 +238,7 @@ class RunConfig:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1 <= scale < math.inf:
             raise ValueError(f"init_loss_scale must be a finite number >= 1 (fp16 starts its dynamic loss scale "
                              f"there; 2**16 is the usual start), got {scale!r}")
-        _positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
+        positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
         if self.reduce_dtype != "fp32" and (self.zero != 3 or self.pp > 1):
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r} needs zero=3 (ZeRO-3 reduce-scatters gradients in "
                              f"its policy's reduce dtype); with zero={self.zero}, pp={self.pp} gradients are reduced "
@@ -248,8 +249,8 @@ class RunConfig:
         from workbench.parallel import PP_COMPOSES_WITH
         from workbench.theory.pipeline import validate
 
-        _positive_int("microbatches", self.microbatches)
-        _positive_int("virtual_stages", self.virtual_stages)
+        positive_int("microbatches", self.microbatches)
+        positive_int("virtual_stages", self.virtual_stages)
         if self.pp == 1:
             if self.schedule != "1f1b" or self.microbatches != 1 or self.virtual_stages != 1:
                 raise ValueError("schedule, microbatches and virtual_stages are pipeline settings: they need pp > 1")
@@ -385,16 +386,6 @@ def _effective(config: dict[str, Any], key: str) -> Any:
         f = next(f for f in fields(RunConfig) if f.name == key)
         return f.default_factory() if f.default_factory is not MISSING else f.default
     return config[key]
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _positive_finite(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+from workbench.theory.checks import positive_int
+
 # Canonical op names, with the torch.distributed spellings the comm wrapper may log.
 _OP_ALIASES: dict[str, str] = {
     "all_reduce": "all_reduce", "allreduce": "all_reduce",
@@ -39,8 +41,7 @@ OPS: tuple[str, ...] = tuple(_BUS_FACTOR)
 
 
 def _check_world(name: str, world: int) -> None:
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {world!r}")
+    positive_int(name, world)
 
 
 def _check_link(nbytes: float, alpha: float, bw: float) -> None:

@@ -15,6 +15,8 @@ tests can all call it. Bytes are per rank unless a name says otherwise.
 
 from __future__ import annotations
 
+from workbench.theory.checks import positive_int
+
 PRECISIONS: frozenset[str] = frozenset({"fp32", "bf16-mixed", "fp16-mixed"})
 
 # Number of fp32 state tensors, each the size of the parameters, that the optimizer keeps.
@@ -51,8 +53,7 @@ def _check_choice(name: str, value: object, choices) -> None:
 def _check_config(n_params: int, dp: int, zero_stage: int, precision: str, optimizer: str) -> None:
     if isinstance(n_params, bool) or not isinstance(n_params, int | float) or n_params < 0:
         raise ValueError(f"n_params must be a non-negative number, got {n_params!r}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be an integer >= 1, got {dp!r}")
+    positive_int("dp", dp)
     _check_choice("zero_stage", zero_stage, ZERO_STAGES)
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
@@ -190,11 +191,6 @@ def _formula_side(terms, sharded: set[str], moved: set[str], on_cpu: bool) -> st
     return " + ".join(whole) if whole else ("0" if not on_cpu else "")
 
 
-def _check_positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def activation_bytes(
     batch: int,
     seq_len: int,
@@ -234,7 +230,7 @@ def activation_bytes(
     """
     for name, value in (("batch", batch), ("seq_len", seq_len), ("d_model", d_model),
                         ("n_layer", n_layer), ("n_head", n_head), ("tp", tp)):
-        _check_positive_int(name, value)
+        positive_int(name, value)
     _check_choice("recompute", recompute, RECOMPUTE_MODES)
     if bytes_per_value <= 0:
         raise ValueError(f"bytes_per_value must be > 0, got {bytes_per_value!r}")
@@ -266,7 +262,7 @@ def _layer_linear_bytes(sbh: float, p: float, dropout: bool, tp: int, sp: bool) 
 
 def _check_sizes(**sizes: int) -> None:
     for name, value in sizes.items():
-        _check_positive_int(name, value)
+        positive_int(name, value)
 
 
 def gpt_block_activation_bytes(

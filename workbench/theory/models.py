@@ -8,6 +8,7 @@ presets carry the published parameter counts (Touvron et al. 2023, Llama 2) and 
 
 from __future__ import annotations
 
+from workbench.theory.checks import positive_int
 from workbench.theory.memory import activation_bytes
 
 
@@ -39,8 +40,7 @@ def gpt_param_count(
     """
     for name, value in (("n_layer", n_layer), ("d_model", d_model), ("vocab_size", vocab_size),
                         ("seq_len", seq_len), ("mlp_ratio", mlp_ratio)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        positive_int(name, value)
     embeddings = vocab_size * d_model + seq_len * d_model
     ln_f = 2 * d_model if biases else d_model
     lm_head = 0 if tied else vocab_size * d_model

@@ -44,6 +44,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+from workbench.theory.checks import positive_int
 from workbench.theory.comm import (
     bus_bytes,
     dp_step_collectives,
@@ -103,11 +104,6 @@ INFINIBAND = Link(alpha=10e-6, bandwidth=50e9, name="InfiniBand NDR (50 GB/s, 10
 DEFAULT_LINKS: dict[str, Link] = {"dp": INFINIBAND, "tp": NVLINK, "pp": INFINIBAND}
 
 
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def _choice(name: str, value: object, choices) -> None:
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(map(str, choices))}")
@@ -138,7 +134,7 @@ class Layout:
     def validate(self, model: str | dict, seq_len: int | None = None, nproc: int | None = None) -> None:
         """ValueError naming the value and the fix for a layout this model cannot take."""
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         _choice("zero_stage", self.zero_stage, ZERO_STAGES)
         if nproc is not None and self.nproc != nproc:
             raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.nproc} but nproc={nproc}: "
@@ -161,7 +157,7 @@ class Layout:
 
 def micro_batch_size(global_batch: int, dp: int, microbatches: int) -> int:
     """Sequences per micro-batch on one rank: the global batch split over dp replicas and m micro-batches."""
-    _positive_int("batch_size", global_batch)
+    positive_int("batch_size", global_batch)
     per, rem = divmod(global_batch, dp * microbatches)
     if rem or per == 0:
         raise ValueError(f"batch_size={global_batch} must divide into dp x microbatches = {dp} x {microbatches}; "
@@ -378,7 +374,7 @@ def layout_comm(
     """
     shape = resolve_preset(model)
     layout.validate(shape, seq_len)
-    _positive_int("micro_batch", micro_batch)
+    positive_int("micro_batch", micro_batch)
     link = {**DEFAULT_LINKS, **(links or {})}
     s = seq_len if seq_len is not None else shape["seq_len"]
     ranks = stage_params(shape, layout.tp, layout.pp, layout.virtual_stages)

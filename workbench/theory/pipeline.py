@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from workbench.theory.checks import positive_int
+
 COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
 COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 #: Time of one action in units of a forward. Matmul FLOPs: a backward costs two forwards, split evenly
@@ -192,17 +194,12 @@ SCHEDULES: dict[str, Callable[..., Plan]] = {
 }
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def validate(name: str, p: int, m: int, v: int = 1, n_layer: int | None = None) -> None:
     """Raise ValueError, naming the fix, for a schedule that cannot run with these sizes."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     for what, value in (("pipeline stages (pp)", p), ("micro-batches", m), ("virtual stages", v)):
-        _check_positive(what, value)
+        positive_int(what, value)
     if n_layer is not None:
         stage_layers(n_layer, p * v)  # more stages than layers: the first thing to fix
     if name == "interleaved":

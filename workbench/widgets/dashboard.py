@@ -45,6 +45,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from workbench.theory.checks import positive_int
 from workbench.theory.memory import to_unit
 from workbench.trace import MEMORY_CATEGORIES
 from workbench.viz.memory import category_color
@@ -103,8 +104,8 @@ class Dashboard(widgets.VBox):
 
     def __init__(self, nproc: int, steps: int, live: bool = True, min_interval_s: float = 0.25,
                  on_stop: Callable[[], None] | None = None) -> None:
-        _check_positive_int("nproc", nproc)
-        _check_positive_int("steps", steps)
+        positive_int("nproc", nproc)
+        positive_int("steps", steps)
         if isinstance(min_interval_s, bool) or not isinstance(min_interval_s, (int, float)) or min_interval_s < 0:
             raise ValueError(f"min_interval_s must be a number of seconds >= 0 (0: redraw every step), "
                              f"got {min_interval_s!r}")
@@ -271,11 +272,6 @@ def _panels(nproc: int, widget: bool) -> go.Figure:
 
 def _rank_color(rank: int) -> str:
     return _RANK_COLORS[rank % len(_RANK_COLORS)]
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def display_widget(widget: widgets.Widget, text: str) -> None:
