@@ -36,3 +36,16 @@ def test_the_flags_defaults_are_run_configs_defaults() -> None:
 ])
 def test_a_flag_lands_in_its_field(flags: list[str], field: str, value: object) -> None:
     assert getattr(_parsed(*flags), field) == value
+
+
+def test_calc_prints_without_importing_widgets_or_plotly() -> None:
+    """``workbench calc`` is arithmetic (``theory.calculator``): it must start without ipywidgets and plotly."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from workbench.cli import main; main(['calc', '--model', 'llama-7B']); "
+            "heavy = [m for m in ('plotly', 'ipywidgets') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "llama-7B" in proc.stdout

@@ -254,9 +254,9 @@ def _calc_layout(args: argparse.Namespace) -> Any:
 
 
 def _calc(args: argparse.Namespace) -> None:
+    from workbench.theory.calculator import calculator_table
     from workbench.theory.models import MODEL_PRESETS
     from workbench.theory.parallelism import micro_batch_size
-    from workbench.widgets.memory_calculator import calculator_table
 
     if args.model not in MODEL_PRESETS:
         raise ValueError(f"unknown model {args.model!r}; valid choices: {', '.join(sorted(MODEL_PRESETS))}")

@@ -1,0 +1,118 @@
+"""The memory calculator's arithmetic: per-rank bytes of a layout and whether it fits one device, as plain numbers.
+
+``calculator_table`` is what the notebook widget (``workbench.widgets.memory_calculator``) shows and what
+``workbench calc`` prints: pure Python over ``theory.memory``, ``theory.parallelism`` and ``theory.pipeline``, so
+the command line prints it without importing ipywidgets or plotly.
+"""
+
+from __future__ import annotations
+
+from workbench.theory.memory import formula, model_state_bytes, offloaded_bytes, to_unit
+from workbench.theory.models import MODEL_PRESETS
+from workbench.theory.parallelism import Layout, Link, analyze_layout
+from workbench.theory.pipeline import bubble_fraction
+from workbench.theory.pipeline import validate as validate_schedule
+
+CUSTOM = "custom"  # a model given by its parameter count alone (custom_params_b)
+
+
+def n_params_of(model: str, custom_params_b: float | None) -> int:
+    """Parameters of a preset, or of a custom model given in billions; ValueError naming the choices."""
+    if model == CUSTOM:
+        if custom_params_b is None or not custom_params_b > 0:
+            raise ValueError(f"model 'custom' needs custom_params_b > 0, got {custom_params_b!r}")
+        return int(round(custom_params_b * 1e9))
+    if model not in MODEL_PRESETS:
+        choices = ", ".join(sorted([*MODEL_PRESETS, CUSTOM]))
+        raise ValueError(f"unknown model {model!r}; valid choices: {choices}")
+    return MODEL_PRESETS[model]["n_params"]
+
+
+def calculator_table(
+    model: str = "llama-7B",
+    dp: int = 1,
+    zero_stage: int = 0,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adamw",
+    offload: bool = False,
+    custom_params_b: float | None = None,
+    batch: int = 0,
+    seq_len: int | None = None,
+    recompute: str = "none",
+    device_gb: float = 80,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    virtual_stages: int = 1,
+    links: dict[str, Link] | None = None,
+) -> dict:
+    """Per-rank memory for one configuration, as plain numbers.
+
+    Returns model, n_params, per_rank (device bytes by category of the worst pipeline rank, "activations"
+    included when batch > 0), cpu (offloaded bytes by category), total_bytes, total_gib, cpu_gib,
+    device_gib, fits, formula and notes; and, for the layout: nproc, stages (one row per pipeline rank),
+    worst_stage, bubble, peak_in_flight (per pipeline rank), comm (per axis, ``theory.parallelism.layout_comm``)
+    and comm_micro_batch. device_gb is read as GiB: an "80 GB" H100 has 80 GiB of HBM, of which the CUDA
+    context and allocator reserve take some, so "fits" is optimistic by a GiB or two.
+
+    ``batch`` is the micro-batch of one rank (sequences), 0 to leave activations out; the tp and pp traffic
+    then assume one sequence per micro-batch. tp, sp, pp, schedule, microbatches and virtual_stages are
+    ``workbench run``'s flags (``theory.parallelism.Layout``).
+    """
+    layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero_stage=zero_stage, schedule=schedule,
+                    microbatches=microbatches, virtual_stages=virtual_stages, offload=offload)
+    if model == CUSTOM:
+        return _custom_table(layout, custom_params_b, precision, optimizer, batch, device_gb)
+    n_params = n_params_of(model, custom_params_b)
+    result = analyze_layout(model, layout, precision, optimizer, batch, seq_len, recompute, links)
+    memory = result["memory"]
+    worst = memory["ranks"][memory["worst"]]
+    notes: list[str] = []
+    if batch:
+        notes.append(f"activations: Korthikanti et al. 2022, micro-batch {batch}, recompute={recompute}, "
+                     f"{worst['peak_in_flight']} micro-batch(es) in flight on the worst pipeline rank")
+    if not MODEL_PRESETS[model]["exact"]:
+        notes.append("parameter count: published total; activations use the GPT estimate (4h MLP)")
+    stages = [{k: r[k] for k in ("pp_rank", "stages", "layers", "params", "peak_in_flight", "total")}
+              for r in memory["ranks"]]
+    return _finish_table(model, n_params, dict(memory["per_rank"]), worst["cpu"], layout, device_gb, precision,
+                         optimizer, notes, stages=stages, worst_stage=memory["worst"], bubble=result["bubble"],
+                         peak_in_flight=[r["peak_in_flight"] for r in memory["ranks"]], comm=result["comm"],
+                         comm_micro_batch=result["comm_micro_batch"])
+
+
+def _custom_table(layout: Layout, custom_params_b: float | None, precision: str, optimizer: str, batch: int,
+                  device_gb: float) -> dict:
+    """A size without a shape: parameters split evenly over tp x pp, no activations, no tp/pp traffic."""
+    n_params = n_params_of(CUSTOM, custom_params_b)
+    validate_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    if layout.sp and layout.tp == 1:
+        raise ValueError("sp (sequence parallelism) needs tp > 1")
+    local = n_params / (layout.tp * layout.pp)
+    per_rank = model_state_bytes(local, layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
+    cpu = offloaded_bytes(local, layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
+    notes = ["activations need a model shape: pick a preset to include them"] if batch else []
+    if layout.tp * layout.pp > 1:
+        notes.append("custom size: parameters split evenly over tp x pp; pick a preset for tp/pp traffic")
+    return _finish_table(CUSTOM, n_params, per_rank, cpu, layout, device_gb, precision, optimizer, notes,
+                         stages=[], worst_stage=0, peak_in_flight=[],
+                         bubble=bubble_fraction(layout.schedule, layout.pp, layout.microbatches,
+                                                layout.virtual_stages), comm={}, comm_micro_batch=0)
+
+
+def _finish_table(model: str, n_params: int, per_rank: dict, cpu: dict, layout: Layout, device_gb: float,
+                  precision: str, optimizer: str, notes: list[str], **extra) -> dict:
+    total = sum(per_rank.values())
+    return {
+        "model": model, "n_params": n_params, "per_rank": per_rank, "cpu": cpu,
+        "total_bytes": total, "total_gib": to_unit(total, "GiB"),
+        "cpu_gib": to_unit(sum(cpu.values()), "GiB"), "device_gib": float(device_gb),
+        "fits": to_unit(total, "GiB") <= device_gb,
+        "formula": formula(layout.zero_stage, precision, optimizer, layout.offload), "notes": notes,
+        "nproc": layout.nproc, **extra,
+    }
+
+
+__all__ = ["CUSTOM", "calculator_table", "n_params_of"]
