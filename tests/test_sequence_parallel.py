@@ -320,7 +320,7 @@ def test_sp_activation_bytes_are_theory(ranks):
 # -- (e) ----------------------------------------------------------------------------------------------------
 
 def test_sp_without_tp_is_an_error():
-    with pytest.raises(ValueError, match="sequence parallelism needs tp > 1"):
+    with pytest.raises(ValueError, match=r"sp \(sequence parallelism\) needs tp > 1"):
         parallelize(build_gpt(TINY), Mesh(), ParallelConfig(sp=True))
 
 

@@ -235,6 +235,7 @@ def _calc_parser(sub: Any) -> None:
 
 def _calc_layout(args: argparse.Namespace) -> Any:
     """The run flags as a ``theory.parallelism.Layout``, with ``run``'s defaults for dp and micro-batches."""
+    from workbench.theory.composition import check_composition
     from workbench.theory.parallelism import Layout
 
     if args.nproc is not None and args.nproc < 1:
@@ -250,6 +251,7 @@ def _calc_layout(args: argparse.Namespace) -> Any:
     layout = Layout(dp=dp, tp=args.tp, pp=args.pp, sp=args.sp, zero_stage=args.zero, schedule=args.schedule,
                     microbatches=microbatches, virtual_stages=args.virtual_stages, offload=args.offload)
     layout.validate(args.model, args.seq_len, nproc=args.nproc)
+    check_composition(layout.combination())  # what `run` refuses, calc refuses (theory.composition)
     return layout
 
 

@@ -51,6 +51,7 @@ from workbench.models import PRESETS, GPTConfig, build_gpt
 from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig, parallelize
 from workbench.recompute import check_mode as check_recompute_mode
 from workbench.theory.checks import positive_int, positive_number
+from workbench.theory.composition import Combination, check_composition
 
 
 @dataclass
@@ -128,24 +129,18 @@ class RunConfig:
             raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.dp * self.tp * self.pp} but "
                              f"nproc={self.nproc}: the mesh must use every rank; leave --dp out to get "
                              f"nproc / (tp x pp)")
-        if self.sp and self.tp == 1:
-            raise ValueError("sp (sequence parallelism) needs tp > 1: it shards what tensor parallelism leaves "
-                             "replicated along the sequence")
-        if self.sp:
+        if self.sp and self.tp > 1:
             from workbench.parallel.sequence import check_sequence_parallel_sizes
 
             check_sequence_parallel_sizes(self.gpt_config(), self.tp)
         self._validate_pipeline()
         check_recompute_mode(self.recompute)
         self._validate_precision()
+        check_composition(self.combination())  # what composes: one table (theory.composition)
         if self.tp > 1:
-            from workbench.parallel import TP_ZERO_STAGES
             from workbench.parallel.tensor import check_tensor_parallel_sizes
 
             check_tensor_parallel_sizes(self.gpt_config(), self.tp)
-            if self.zero not in TP_ZERO_STAGES:
-                raise ValueError(f"zero={self.zero} with tp={self.tp} is not composed; valid with tp > 1: zero in "
-                                 f"{TP_ZERO_STAGES}")
         per_rank, rem = divmod(self.batch_size, self.dp * self.grad_accum)
         if rem or per_rank == 0:
             raise ValueError(f"batch_size={self.batch_size} must be a positive multiple of dp x grad_accum = "
@@ -157,11 +152,6 @@ class RunConfig:
         mib = self.bucket_mb
         if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0):
             raise ValueError(f"bucket_mb must be > 0 MiB, or None for one bucket, got {self.bucket_mb}")
-        if self.zero3_replicate and (self.zero != 3 or self.pp > 1):
-            raise ValueError(f"zero3_replicate={self.zero3_replicate!r} needs zero=3 without a pipeline (it keeps "
-                             f"the parameters it names out of ZeRO-3's shards); got zero={self.zero}, pp={self.pp}")
-        if self.offload and self.zero == 0:
-            raise ValueError("offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.clip is not None and not self.clip > 0:
@@ -239,14 +229,9 @@ class RunConfig:
             raise ValueError(f"init_loss_scale must be a finite number >= 1 (fp16 starts its dynamic loss scale "
                              f"there; 2**16 is the usual start), got {scale!r}")
         positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
-        if self.reduce_dtype != "fp32" and (self.zero != 3 or self.pp > 1):
-            raise ValueError(f"reduce_dtype={self.reduce_dtype!r} needs zero=3 (ZeRO-3 reduce-scatters gradients in "
-                             f"its policy's reduce dtype); with zero={self.zero}, pp={self.pp} gradients are reduced "
-                             f"in fp32 (autocast leaves fp32 .grad): use reduce_dtype='fp32'")
 
     def _validate_pipeline(self) -> None:
         """Schedule, micro-batches and stages checked here, before any rank starts."""
-        from workbench.parallel import PP_COMPOSES_WITH
         from workbench.theory.pipeline import validate
 
         positive_int("microbatches", self.microbatches)
@@ -256,9 +241,6 @@ class RunConfig:
                 raise ValueError("schedule, microbatches and virtual_stages are pipeline settings: they need pp > 1")
             return
         validate(self.schedule, self.pp, self.microbatches, self.virtual_stages, self.gpt_config().n_layer)
-        if self.zero > 1 or self.grad_accum != 1:
-            raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH}; got "
-                             f"zero={self.zero}, grad_accum={self.grad_accum}")
         if self.batch_size % (self.dp * self.microbatches):
             raise ValueError(f"batch_size={self.batch_size} must divide into dp x microbatches = {self.dp} x "
                              f"{self.microbatches}; use a multiple of {self.dp * self.microbatches}")
@@ -279,6 +261,12 @@ class RunConfig:
             longest = (n_tokens - 1) // self.batch_size
             raise ValueError(f"seq_len={seq_len} leaves {windows} window(s) of the {n_tokens}-token corpus, fewer "
                              f"than batch_size={self.batch_size}; use seq_len <= {longest} or a smaller batch size")
+
+    def combination(self) -> Combination:
+        """The settings the composition rules look at (``theory.composition``)."""
+        return Combination(tp=self.tp, pp=self.pp, sp=self.sp, zero=self.zero, grad_accum=self.grad_accum,
+                           zero3_replicate=tuple(self.zero3_replicate), reduce_dtype=self.reduce_dtype,
+                           offload=self.offload)
 
     def gpt_config(self) -> GPTConfig:
         overrides = {"seq_len": self.seq_len} if self.seq_len else {}

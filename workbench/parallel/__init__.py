@@ -28,9 +28,13 @@ from workbench.precision import DynamicLossScaler, PrecisionPolicy, policy_from_
 from workbench.precision import autocast as precision_autocast
 from workbench.recompute import apply_recompute
 from workbench.recompute import check_mode as check_recompute_mode
+from workbench.theory.composition import PP_COMPOSES_WITH as PP_COMPOSES_WITH  # re-exported: old import path
+from workbench.theory.composition import TP_ZERO_STAGES as TP_ZERO_STAGES  # re-exported: old import path
+from workbench.theory.composition import Combination, check_composition
+from workbench.theory.memory import ZERO_STAGES
 
 DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
-ZERO_STAGES = (0, 1, 2, 3)
+# ZERO_STAGES, TP_ZERO_STAGES, PP_COMPOSES_WITH: defined once in workbench.theory (memory, composition).
 
 
 @dataclass
@@ -164,11 +168,7 @@ class _Precision:
 
 def _precision(mesh: Any, cfg: ParallelConfig) -> _Precision:
     """The run's policy and scaler; reducing gradients in the compute dtype is refused where no strategy does it."""
-    policy = policy_from_names(cfg.precision, cfg.reduce_dtype)
-    if policy.reduce_dtype != torch.float32 and (cfg.zero != 3 or mesh.pp_size > 1):
-        raise ValueError(f"reduce_dtype={cfg.reduce_dtype!r} needs zero=3 (FullyShardedModel reduce-scatters in its "
-                         f"policy's reduce_dtype); got zero={cfg.zero}, pp={mesh.pp_size}. Other strategies reduce "
-                         f"the fp32 master gradients autocast leaves in .grad: use reduce_dtype='fp32'")
+    policy = policy_from_names(cfg.precision, cfg.reduce_dtype)  # composition checked by parallelize
     scaler = None
     if policy.needs_scaler:
         scaler = DynamicLossScaler(init_scale=cfg.init_loss_scale, growth_interval=cfg.loss_scale_growth_interval,
@@ -210,11 +210,6 @@ def _clip_replicated(model: nn.Module) -> Callable[[float], torch.Tensor]:
     return lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-#: ZeRO stages that compose with tensor parallelism: all. ZeRO-2's buckets are built per param group, so
-#: tp-sharded and replicated parameters (norm shares 1 and 1/tp) and sequence-parallel ones (partial
-#: gradients) never share a bucket; ZeRO-3's units flatten a whole block, so the shares and the partial sums
-#: go per segment of each shard (FSDP + TP, the "2D" layout of torchtitan).
-TP_ZERO_STAGES = (0, 1, 2, 3)
 
 
 def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
@@ -224,12 +219,9 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     check_recompute_mode(cfg.recompute)
     if cfg.zero not in ZERO_STAGES:
         raise ValueError(f"zero stage {cfg.zero!r}; valid: {ZERO_STAGES}")
-    if cfg.sp and mesh.tp_size == 1:
-        raise ValueError("sequence parallelism needs tp > 1: it shards the sequence over the tp ranks; "
-                         "set tp >= 2 or turn sp off")
-    if cfg.zero3_replicate and (cfg.zero != 3 or mesh.pp_size > 1):
-        raise ValueError(f"zero3_replicate={cfg.zero3_replicate!r} needs zero=3 without a pipeline (it keeps chosen "
-                         f"parameters out of ZeRO-3's shards); got zero={cfg.zero}, pp={mesh.pp_size}")
+    check_composition(Combination(tp=mesh.tp_size, pp=mesh.pp_size, sp=cfg.sp, zero=cfg.zero,
+                                  grad_accum=cfg.grad_accum, zero3_replicate=tuple(cfg.zero3_replicate),
+                                  reduce_dtype=cfg.reduce_dtype, offload=cfg.offload))
     amp = _precision(mesh, cfg)
     if mesh.pp_size > 1:
         strategy = _with_pipeline(model, mesh, cfg, amp)
@@ -275,14 +267,6 @@ def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s
     return loss.detach()
 
 
-#: What the pipeline composes with. Not ZeRO-2/3, by design (as DeepSpeed, which refuses them with its
-#: pipeline engine): a schedule runs one backward per micro-batch, so stage 2 would reduce-scatter the
-#: gradients m times per step (m× the traffic) or keep them whole until the last micro-batch (no saving
-#: over stage 1, which reduces once after the schedule); stage 3 would all-gather each stage's parameters
-#: for every micro-batch's forward and backward, 2m gathers per step instead of 2.
-PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1 (ZeRO-2/3 would communicate once per "
-                    "micro-batch: m times the gradient or parameter traffic), and tensor parallelism (tp >= 1, "
-                    "with or without sp); grad_accum=1 (the micro-batches are the accumulation)")
 
 
 def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
@@ -295,9 +279,6 @@ def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Preci
     from workbench.parallel import pipeline
     from workbench.parallel.ddp import FlatDDP
 
-    if cfg.zero > 1 or cfg.grad_accum != 1:
-        raise ValueError(f"pipeline parallelism composes with {PP_COMPOSES_WITH}; got zero={cfg.zero}, "
-                         f"grad_accum={cfg.grad_accum}")
     tp = _tensor_parallel_for_pipeline(model, mesh, cfg.sp)
     apply_recompute(model, cfg.recompute)  # on the whole model's blocks, before the cut into stages
     pipe = pipeline.Pipeline(model, mesh.pp_group, cfg.schedule, cfg.microbatches, cfg.virtual_stages,
@@ -374,9 +355,6 @@ def _with_tensor_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp:
     parallelism, and ``finish_grad_sync`` also sums the sequence-sharded parameters' gradients over tp."""
     from workbench.parallel import sequence, tensor
 
-    if cfg.zero not in TP_ZERO_STAGES:
-        raise ValueError(f"ZeRO-{cfg.zero} with tensor parallelism (tp={mesh.tp_size}) is not composed yet; "
-                         f"valid with tp > 1: zero in {TP_ZERO_STAGES}")
     (sequence.apply_sequence_parallel if cfg.sp else tensor.apply_tensor_parallel)(model, mesh)
     apply_recompute(model, cfg.recompute)  # after the split (the regions call the split layers), before DP
     if cfg.zero == 3:

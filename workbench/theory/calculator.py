@@ -7,6 +7,7 @@ the command line prints it without importing ipywidgets or plotly.
 
 from __future__ import annotations
 
+from workbench.theory.composition import check_composition
 from workbench.theory.memory import formula, model_state_bytes, offloaded_bytes, to_unit
 from workbench.theory.models import MODEL_PRESETS
 from workbench.theory.parallelism import Layout, Link, analyze_layout
@@ -88,8 +89,7 @@ def _custom_table(layout: Layout, custom_params_b: float | None, precision: str,
     """A size without a shape: parameters split evenly over tp x pp, no activations, no tp/pp traffic."""
     n_params = n_params_of(CUSTOM, custom_params_b)
     validate_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-    if layout.sp and layout.tp == 1:
-        raise ValueError("sp (sequence parallelism) needs tp > 1")
+    check_composition(layout.combination(), meaningless_only=True)
     local = n_params / (layout.tp * layout.pp)
     per_rank = model_state_bytes(local, layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
     cpu = offloaded_bytes(local, layout.dp, layout.zero_stage, precision, optimizer, layout.offload)

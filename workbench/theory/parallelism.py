@@ -53,6 +53,7 @@ from workbench.theory.comm import (
     sp_block_collectives,
     tp_block_collectives,
 )
+from workbench.theory.composition import Combination, check_composition
 from workbench.theory.memory import (
     OPTIMIZERS,
     PRECISIONS,
@@ -127,6 +128,10 @@ class Layout:
     virtual_stages: int = 1
     offload: bool = False
 
+    def combination(self) -> Combination:
+        """The settings the composition rules look at (``theory.composition``)."""
+        return Combination(tp=self.tp, pp=self.pp, sp=self.sp, zero=self.zero_stage, offload=self.offload)
+
     @property
     def nproc(self) -> int:
         return self.dp * self.tp * self.pp
@@ -144,9 +149,7 @@ class Layout:
             valid = [t for t in range(1, shape["n_head"] + 1) if shape["n_head"] % t == 0]
             raise ValueError(f"tp={self.tp} must divide the model's n_head={shape['n_head']} (heads are split "
                              f"across tp ranks); valid tp: {', '.join(map(str, valid))}")
-        if self.sp and self.tp == 1:
-            raise ValueError("sp (sequence parallelism) needs tp > 1: it shards what tensor parallelism leaves "
-                             "replicated along the sequence")
+        check_composition(self.combination(), meaningless_only=True)  # e.g. sp without tp; calc asks all rules
         s = seq_len if seq_len is not None else shape["seq_len"]
         if self.sp and s % self.tp:
             raise ValueError(f"sp splits the sequence over tp ranks: seq_len={s} must be divisible by tp={self.tp}")

@@ -31,8 +31,9 @@ from workbench.parallel.zero.flat import (
 )
 from workbench.parallel.zero.gradients import GradientReduction
 from workbench.parallel.zero.offload import master_copies, offload_copy
+from workbench.theory.memory import ZERO_STAGES
 
-VALID_STAGES = (0, 1, 2, 3)
+VALID_STAGES = ZERO_STAGES  # one definition: workbench.theory.memory
 #: Param-group keys this optimizer reads itself (not passed to the inner optimizer), for a model that is also
 #: split over other ranks (tensor / sequence parallelism; see ``ZeroOptimizer``).
 NORM_SHARE = "norm_share"

@@ -1,0 +1,86 @@
+"""One table of what composes (workbench.theory.composition): each refused combination has its reason, and
+RunConfig (before ranks start) and workbench calc's Layout refuse exactly what the table refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.cli import main
+from workbench.theory.composition import RULES, Combination, check_composition, refusals
+from workbench.theory.parallelism import Layout
+from workbench.train import RunConfig
+
+REFUSED = [
+    (Combination(sp=True), "sp (sequence parallelism) needs tp > 1"),
+    (Combination(pp=2, zero=2), "pipeline parallelism composes with"),
+    (Combination(pp=2, zero=3), "pipeline parallelism composes with"),
+    (Combination(pp=2, grad_accum=2), "grad_accum=2"),
+    (Combination(zero=1, zero3_replicate=("*norm",)), "needs zero=3 without a pipeline"),
+    (Combination(zero=3, pp=2, zero3_replicate=("*norm",)), "needs zero=3 without a pipeline"),
+    (Combination(reduce_dtype="bf16", zero=2), "reduce_dtype='bf16' needs zero=3"),
+    (Combination(offload=True), "offload needs a ZeRO stage"),
+]
+COMPOSES = [Combination(), Combination(tp=2, sp=True), Combination(pp=2, zero=1, tp=2, sp=True),
+            Combination(zero=3, reduce_dtype="bf16", zero3_replicate=("*norm",), offload=True)]
+COMPOSES += [Combination(tp=2, zero=z) for z in range(4)]
+
+
+@pytest.mark.parametrize("combination, reason", REFUSED)
+def test_each_refused_combination_says_why(combination: Combination, reason: str) -> None:
+    assert any(reason in why for why in refusals(combination)), refusals(combination)
+    with pytest.raises(ValueError) as info:
+        check_composition(combination)
+    assert str(info.value) == refusals(combination)[0]  # the first reason, in the table's order
+
+
+@pytest.mark.parametrize("combination", COMPOSES)
+def test_what_composes_passes(combination: Combination) -> None:
+    assert refusals(combination) == []
+
+
+def test_every_rule_is_exercised() -> None:
+    hit = {rule.name for c, _ in REFUSED for rule in RULES if rule.refuses(c)}
+    assert hit == {rule.name for rule in RULES}
+
+
+def _run_config(c: Combination) -> dict:
+    nproc = c.tp * c.pp * (2 if c.zero else 1)
+    return dict(nproc=nproc, tp=c.tp, pp=c.pp, sp=c.sp, zero=c.zero, grad_accum=c.grad_accum,
+                zero3_replicate=list(c.zero3_replicate), reduce_dtype=c.reduce_dtype, offload=c.offload,
+                precision="fp32" if c.reduce_dtype == "fp32" else c.reduce_dtype, batch_size=16)
+
+
+@pytest.mark.parametrize("combination, reason", REFUSED)
+def test_run_config_refuses_what_the_table_refuses(combination: Combination, reason: str) -> None:
+    with pytest.raises(ValueError) as info:
+        RunConfig(**_run_config(combination))
+    assert str(info.value) == refusals(combination)[0]
+
+
+CALC_EXPRESSIBLE = [(c, r) for c, r in REFUSED if c.grad_accum == 1 and not c.zero3_replicate
+                    and c.reduce_dtype == "fp32"]
+
+
+@pytest.mark.parametrize("combination, reason", CALC_EXPRESSIBLE)
+def test_calc_refuses_what_the_table_refuses(combination: Combination, reason: str, capsys) -> None:
+    flags = ["calc", "--model", "llama-7B", "--tp", str(combination.tp), "--pp", str(combination.pp),
+             "--zero", str(combination.zero), "--dp", "2"]
+    flags += ["--sp"] * combination.sp + ["--offload"] * combination.offload
+    with pytest.raises(SystemExit):
+        main(flags)
+    assert refusals(combination)[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("combination, reason", CALC_EXPRESSIBLE)
+def test_theory_prices_what_run_refuses_by_design_but_not_a_meaningless_layout(combination: Combination,
+                                                                                reason: str) -> None:
+    """The memory calculator compares every ZeRO stage under a pipeline (why ZeRO-3 with pp costs m x the
+    gathers): theory prices it; sp without tp or offload without ZeRO means nothing, and theory refuses it too."""
+    layout = Layout(dp=2, tp=combination.tp, pp=combination.pp, sp=combination.sp, zero_stage=combination.zero,
+                    offload=combination.offload, microbatches=2 * combination.pp if combination.pp > 1 else 1)
+    meaningless = refusals(combination, meaningless_only=True)
+    if meaningless:
+        with pytest.raises(ValueError, match="needs"):
+            layout.validate("llama-7B")
+    else:
+        layout.validate("llama-7B")

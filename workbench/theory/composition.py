@@ -1,0 +1,92 @@
+"""Which strategies compose, and which combinations are refused and why: one table.
+
+``RunConfig`` (before any rank starts), ``parallel.parallelize`` (for a caller that builds a strategy by hand) and
+``workbench calc`` (the same layout, priced) all ask ``check_composition``, so the three cannot disagree about what
+runs. ``theory.parallelism.Layout`` asks only the rules that make a layout meaningless: the memory calculator and
+lab 09 price layouts ``run`` does not compose (ZeRO-3 under a pipeline) to show why. Pure Python, on the lowest
+floor, as the rest of ``theory/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from workbench.theory.memory import ZERO_STAGES
+
+#: ZeRO stages that compose with tensor parallelism: all. ZeRO-2's buckets are built per param group, so
+#: tp-sharded and replicated parameters (norm shares 1 and 1/tp) and sequence-parallel ones (partial
+#: gradients) never share a bucket; ZeRO-3's units flatten a whole block, so the shares and the partial sums
+#: go per segment of each shard (FSDP + TP, the "2D" layout of torchtitan).
+TP_ZERO_STAGES: tuple[int, ...] = ZERO_STAGES
+
+#: What the pipeline composes with. Not ZeRO-2/3, by design (as DeepSpeed, which refuses them with its
+#: pipeline engine): a schedule runs one backward per micro-batch, so stage 2 would reduce-scatter the
+#: gradients m times per step (m× the traffic) or keep them whole until the last micro-batch (no saving
+#: over stage 1, which reduces once after the schedule); stage 3 would all-gather each stage's parameters
+#: for every micro-batch's forward and backward, 2m gathers per step instead of 2.
+PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1 (ZeRO-2/3 would communicate once per "
+                    "micro-batch: m times the gradient or parameter traffic), and tensor parallelism (tp >= 1, "
+                    "with or without sp); grad_accum=1 (the micro-batches are the accumulation)")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """The settings the composition rules look at (``RunConfig``'s names; sizes of the mesh's axes)."""
+
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    zero: int = 0
+    grad_accum: int = 1
+    zero3_replicate: Sequence[str] = ()
+    reduce_dtype: str = "fp32"
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination that is refused: ``refuses(c)`` says whether ``c`` is it, ``why(c)`` says why and what to do."""
+
+    name: str
+    refuses: Callable[[Combination], bool]
+    why: Callable[[Combination], str]
+    #: True: the layout means nothing (sp without tp), so even theory refuses to price it; False: a layout theory
+    #: can price (the memory calculator compares every ZeRO stage side by side, pipelines included) but that
+    #: ``workbench run`` does not compose, by design; ``workbench calc`` refuses both, as ``run`` would.
+    meaningless: bool = False
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("sp needs tp", lambda c: c.sp and c.tp == 1,
+         lambda c: "sp (sequence parallelism) needs tp > 1: it shards what tensor parallelism leaves replicated "
+                   "along the sequence over the tp ranks; set tp >= 2 or turn sp off", meaningless=True),
+    Rule("pp x zero, grad_accum", lambda c: c.pp > 1 and (c.zero > 1 or c.grad_accum != 1),
+         lambda c: f"pipeline parallelism composes with {PP_COMPOSES_WITH}; got zero={c.zero}, "
+                   f"grad_accum={c.grad_accum}"),
+    Rule("zero3_replicate needs zero 3", lambda c: bool(c.zero3_replicate) and (c.zero != 3 or c.pp > 1),
+         lambda c: f"zero3_replicate={list(c.zero3_replicate)!r} needs zero=3 without a pipeline (it keeps the "
+                   f"parameters it names out of ZeRO-3's shards); got zero={c.zero}, pp={c.pp}"),
+    Rule("reduce_dtype needs zero 3", lambda c: c.reduce_dtype != "fp32" and (c.zero != 3 or c.pp > 1),
+         lambda c: f"reduce_dtype={c.reduce_dtype!r} needs zero=3 (ZeRO-3 reduce-scatters gradients in its "
+                   f"policy's reduce dtype); with zero={c.zero}, pp={c.pp} gradients are reduced in fp32 (autocast "
+                   f"leaves fp32 .grad): use reduce_dtype='fp32'"),
+    Rule("offload needs zero", lambda c: c.offload and c.zero == 0,
+         lambda c: "offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated"),
+)
+
+
+def refusals(combination: Combination, meaningless_only: bool = False) -> list[str]:
+    """Every reason ``combination`` is refused, in the table's order (empty: it composes); ``meaningless_only``:
+    only the rules that make a layout meaningless (what theory refuses to price)."""
+    return [rule.why(combination) for rule in RULES
+            if rule.refuses(combination) and (rule.meaningless or not meaningless_only)]
+
+
+def check_composition(combination: Combination, meaningless_only: bool = False) -> None:
+    """``ValueError`` with the first reason ``combination`` is refused; nothing when it composes."""
+    if problems := refusals(combination, meaningless_only):
+        raise ValueError(problems[0])
+
+
+__all__ = ["PP_COMPOSES_WITH", "RULES", "TP_ZERO_STAGES", "Combination", "Rule", "check_composition", "refusals"]
