@@ -44,6 +44,8 @@ def test_calc_resolves_dp_and_microbatches_as_run_does(capsys: pytest.CaptureFix
     assert f"pp=2, {cfg.microbatches} micro-batch(es)" in out
 
 
+# `calc` prints GiB and ms with 2 decimals, so abs=0.01 below is that printing's rounding; theory is Python
+# float arithmetic, no tensor sums, so no instruction set changes it.
 def _number(out: str, label: str) -> float:
     return float(re.search(rf"{label}\s+([\d.]+)", out).group(1))
 

@@ -2,7 +2,8 @@
 a pipeline -> one process) and goes on as the unbroken run does.
 
 Not bit-identical: another layout sums gradients in another order. The tolerance is the one every strategy meets
-against one process (tests/equivalence.py): losses within rtol 2e-4.
+against one process (tests/test_train_cli.py): losses within rtol 2e-4, relative to the loss, so it holds whatever
+order a CPU sums in. Adam's moments by tests/equivalence.py's ROUNDOFF_K eps of their largest element.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from equivalence import assert_all_close_to_scale
 
 from workbench.checkpoint import step_dir
 from workbench.cli import run_training
 from workbench.train import FULL_STATE, RunConfig
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.numerics, pytest.mark.timeout(400)]  # numerics: .ci/run's portable-ISA lane
 
 DATA = dict(batch_size=8, seq_len=32)
 
@@ -57,6 +59,8 @@ def test_the_gathered_full_state_equals_one_process_adam_state(tmp_path: Path) -
         assert note is not None and "nproc: 2 -> 1" in note
         full = torch.load(step_dir(ckpt, 2) / FULL_STATE, weights_only=True)
         assert full["optimizer_step"] == 3.0
-        for i, name in enumerate(names):
-            for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(full[key][name], reference["state"][i][key], rtol=2e-4, atol=1e-9)
+        for key in ("exp_avg", "exp_avg_sq"):
+            # Each moment is a family computed together: an element's rounding is at the scale of the largest
+            # (attn.k.bias's gradient is rounding noise, its moments too), not of its own value.
+            want = {name: reference["state"][i][key] for i, name in enumerate(names)}
+            assert_all_close_to_scale({name: full[key][name] for name in names}, want, msg=f"{flags} {key} ")

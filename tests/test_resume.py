@@ -1,8 +1,10 @@
 """Checkpoint and resume in the trainer: a run stopped and resumed ends bit-for-bit where an unbroken run ends.
 
 Same-layout resume: every rank reloads the shard its strategy holds (model and optimizer state dicts, RNG, the
-sampler's step). The 4-step runs below share the 6-step run's learning rates because the default warm-up (5
-steps) covers steps 0-3; past warm-up the cosine depends on ``steps``.
+sampler's step), so the resumed run does the very same operations in the same order as the unbroken one, on the
+same CPU: bit for bit (sha256 of the parameters, losses compared with ==) on any machine. The 4-step runs below
+share the 6-step run's learning rates because the default warm-up (5 steps) covers steps 0-3; past warm-up the
+cosine depends on ``steps``.
 """
 
 from __future__ import annotations
