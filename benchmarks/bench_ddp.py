@@ -76,16 +76,15 @@ def _slowest_rank_steps(results: list[dict[str, list[float]]], config: str) -> l
 
 
 def rows(quick: bool) -> list[dict[str, Any]]:
-    import os
 
-    import torch
+    from harness import device_and_world  # beside this file (benchmarks/)
 
     from workbench import launch
 
     steps, warmup = (5, 2) if quick else (15, 3)
-    cuda = os.environ.get("WORKBENCH_DEVICE") == "cuda"
-    world = min(WORLD_SIZE, torch.cuda.device_count()) if cuda else WORLD_SIZE
-    results = launch(_rank, world, steps, warmup, device="cuda" if cuda else "cpu", timeout=300)
+    device, world = device_and_world(WORLD_SIZE)
+    cuda = device == "cuda"
+    results = launch(_rank, world, steps, warmup, device=device, timeout=300)
     per_step = {c: _slowest_rank_steps(results, c) for c in CONFIGS}
     median = {c: statistics.median(v) for c, v in per_step.items()}
     ours, ref = median["ours"], median["torch"]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the dashboard (ipywidgets, plotly) is imported only by a live run: the CLI starts without it
     from workbench.widgets.dashboard import Dashboard
 
+
 def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True, live: bool = False,
                  on_metrics: Callable[[int, dict[str, Any]], None] | None = None) -> Any:
     """Launch ``cfg.nproc`` ranks, train, and (with ``out``) write summary.json and report.html.

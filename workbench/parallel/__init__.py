@@ -29,12 +29,11 @@ from workbench.precision import autocast as precision_autocast
 from workbench.recompute import apply_recompute
 from workbench.recompute import check_mode as check_recompute_mode
 from workbench.theory.composition import PP_COMPOSES_WITH as PP_COMPOSES_WITH  # re-exported: old import path
-from workbench.theory.composition import TP_ZERO_STAGES as TP_ZERO_STAGES  # re-exported: old import path
 from workbench.theory.composition import Combination, check_composition
 from workbench.theory.memory import ZERO_STAGES
 
 DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
-# ZERO_STAGES, TP_ZERO_STAGES, PP_COMPOSES_WITH: defined once in workbench.theory (memory, composition).
+# ZERO_STAGES, PP_COMPOSES_WITH: defined once in workbench.theory (memory, composition).
 
 
 @dataclass

@@ -12,13 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from workbench.theory.memory import ZERO_STAGES
-
-#: ZeRO stages that compose with tensor parallelism: all. ZeRO-2's buckets are built per param group, so
-#: tp-sharded and replicated parameters (norm shares 1 and 1/tp) and sequence-parallel ones (partial
-#: gradients) never share a bucket; ZeRO-3's units flatten a whole block, so the shares and the partial sums
-#: go per segment of each shard (FSDP + TP, the "2D" layout of torchtitan).
-TP_ZERO_STAGES: tuple[int, ...] = ZERO_STAGES
+# No rule for TP x ZeRO: every stage composes with tensor parallelism. ZeRO-2's buckets are built per param
+# group, so tp-sharded and replicated parameters (norm shares 1 and 1/tp) and sequence-parallel ones (partial
+# gradients) never share a bucket; ZeRO-3's units flatten a whole block, so the shares and the partial sums go
+# per segment of each shard (FSDP + TP, the "2D" layout of torchtitan).
 
 #: What the pipeline composes with. Not ZeRO-2/3, by design (as DeepSpeed, which refuses them with its
 #: pipeline engine): a schedule runs one backward per micro-batch, so stage 2 would reduce-scatter the
@@ -89,4 +86,4 @@ def check_composition(combination: Combination, meaningless_only: bool = False) 
         raise ValueError(problems[0])
 
 
-__all__ = ["PP_COMPOSES_WITH", "RULES", "TP_ZERO_STAGES", "Combination", "Rule", "check_composition", "refusals"]
+__all__ = ["PP_COMPOSES_WITH", "RULES", "Combination", "Rule", "check_composition", "refusals"]
