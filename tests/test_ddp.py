@@ -23,7 +23,8 @@ from torch import nn
 
 from workbench import launch, trace
 from workbench.models import GPTConfig, build_gpt, build_mlp
-from workbench.parallel.ddp import DDP_KINDS, BucketedDDP, NaiveDDP, _bucket_params, make_ddp
+from workbench.parallel.buckets import bucket_params
+from workbench.parallel.ddp import DDP_KINDS, BucketedDDP, NaiveDDP, make_ddp
 
 pytestmark = pytest.mark.numerics  # sums in another order: .ci/run's portable-ISA lane
 
@@ -216,7 +217,7 @@ def test_comm_log_counts_overlap_and_agreement_with_torch_ddp():
     params = [p for p in model.parameters() if p.requires_grad]
     n_bytes = sum(p.numel() * 4 for p in params)
     grads0 = reference_grads(lambda: _build("gpt"), lambda s: _batch("gpt", s))
-    expected_buckets = len(_bucket_params(list(reversed(params)), int(GPT_BUCKET_MB * 2**20)))
+    expected_buckets = len(bucket_params(reversed(params), int(GPT_BUCKET_MB * 2**20)))
     assert expected_buckets >= 2
     for got in results:
         assert got["naive"]["all_reduces"] == len(params)

@@ -4,10 +4,14 @@ Every module under ``workbench/`` is parsed with ``ast`` (nothing is imported) a
 
 a. no upward import: a module imports its own floor or a lower one (``FLOORS``);
 b. no strategy under ``workbench/parallel/`` imports a sibling strategy (``STRATEGIES`` vs ``HELPERS``);
-c. no private name (``_x``) is imported, or reached as ``module._x``, from another module.
+c. no private name (``_x``) is imported, or reached as ``module._x``, from another module;
+d. no module imports an old path (an alias module kept for learners' code: ``old_paths``);
+
+and the modules' imports form no circle (``test_no_import_cycle``).
 
 Each rule has an allow-list of today's breaches. The test fails on a breach that is not listed, and on a listed
-breach that no longer exists, so the lists only shrink: issue 19 is done when all three are empty.
+breach that no longer exists, so the lists only shrink. All four are empty since issue 19: a new breach is
+fixed, not listed.
 
 Every import counts, wherever it is written: a function-level (lazy) import or one under ``TYPE_CHECKING`` is
 still a dependency of the module, only a deferred one, so it cannot be used to hide an upward import.
@@ -29,13 +33,11 @@ FLOOR_NAMES = ["theory", "trace", "dist", "models, data", "parallel", "checkpoin
 FLOORS = {
     "workbench/theory/": 0,        # pure Python: memory, α-β communication, schedules as data, layouts
     "workbench/trace.py": 1,       # plain records
-    "workbench/launch.py": 2, "workbench/mesh.py": 2, "workbench/comm.py": 2, "workbench/rank_pool.py": 2,
-    "workbench/faults.py": 2, "workbench/environment.py": 2,
+    "workbench/dist/": 2,          # launch, placement, mesh, comm, rank_pool, faults, environment
     "workbench/__init__.py": 2,    # re-exports launch, Mesh and Trace: the dist floor's front door
     "workbench/models/": 3, "workbench/data.py": 3,
-    "workbench/parallel/": 4,
-    "workbench/precision.py": 4, "workbench/recompute.py": 4,  # beside the strategies they wrap
-    "workbench/checkpoint.py": 5, "workbench/reshard.py": 5, "workbench/train.py": 5, "workbench/health.py": 5,
+    "workbench/parallel/": 4,      # the strategies, their helpers, and parallelize (the composer)
+    "workbench/checkpoint/": 5, "workbench/training/": 5,
     "workbench/viz/": 6, "workbench/widgets/": 6,
     "workbench/cli.py": 7, "workbench/magics.py": 7, "workbench/labs/": 7,
     "workbench/run.py": 7,         # one run start to end: cli.py parses flags and calls it
@@ -43,23 +45,29 @@ FLOORS = {
     # pipeline_demo: notebook 08 and the schedule explorer), so they are entry points, not presentation.
     "workbench/measure.py": 7, "workbench/pipeline_demo.py": 7,
 }
+# Old paths (workbench/launch.py, workbench/train.py...) are alias modules (``old_paths()``): each sits on its
+# target's floor, and the package never imports one (rule d).
 
 # What counts as a strategy under workbench/parallel/ (module prefix -> reason). A strategy may import helpers
 # and its own package's modules (zero/* is one strategy), never another strategy.
 STRATEGIES = {
     "workbench.parallel.ddp": "data parallelism: replicas, bucketed gradient all-reduce",
-    "workbench.parallel.tensor": "tensor parallelism: Megatron's column/row/vocab-parallel layers",
-    "workbench.parallel.sequence": "sequence parallelism: TP's plan with sharded norms and reduce-scatter",
+    "workbench.parallel.tensor": "tensor parallelism (Megatron's column/row/vocab-parallel layers) and sequence "
+                                 "parallelism (the same plan with sharded norms and reduce-scatter): one plan, "
+                                 "two styles",
     "workbench.parallel.pipeline": "pipeline parallelism: the cut and the schedule executor",
     "workbench.parallel.zero": "ZeRO 1/2/3: flat buckets, sharded optimizer, gradients, fully sharded model",
 }
 HELPERS = {
     "workbench.parallel.collectives": "algorithms over comm (ring, tree) that any strategy may call",
     "workbench.parallel.grad_norm": "clipping a split model: shared by every strategy that shards parameters",
+    "workbench.parallel.buckets": "size-capped gradient buckets (Li et al. 2020): shared by DDP, ZeRO and lab 03",
+    "workbench.parallel.precision": "mixed precision and loss scaling, applied around every strategy",
+    "workbench.parallel.recompute": "activation recomputation, applied around every strategy",
 }
-# The one place that combines strategies (today the package __init__; parallelize.py after issue 19). It imports
-# every strategy, so a strategy importing it would reach its siblings through it: that counts as a sibling too.
-COMPOSER = "workbench.parallel"
+# The one place that combines strategies (parallelize.py, re-exported by the package __init__). It imports every
+# strategy, so a strategy importing either would reach its siblings through it: that counts as a sibling too.
+COMPOSERS = ("workbench.parallel", "workbench.parallel.parallelize")
 
 
 class Import(NamedTuple):
@@ -81,18 +89,17 @@ ALLOWED_UPWARD: set[tuple[str, str, str | None]] = set()
 # (empty since workbench/run.py: the dashboard used to start a run through the CLI, which imported it back)
 
 # Rule b: strategies importing a sibling strategy today.
-ALLOWED_SIBLING = {
-    # sequence parallelism is built from tensor parallelism's layers and plan (one plan with two styles is the
-    # target: DESIGN.md, "SP is the same plan with reduce-scatter outputs")
-    ("workbench.parallel.sequence", "workbench.parallel.tensor", None),
-}
+ALLOWED_SIBLING: set[tuple[str, str, str | None]] = set()
+# (empty since sequence parallelism moved into tensor/: DESIGN.md's "SP is the same plan with reduce-scatter
+# outputs", one strategy with two styles)
 
 # Rule c: private names used across modules today.
-ALLOWED_PRIVATE = {
-    # zero/ packs its buckets with flat.py's private helper (bucketing is written three times: ddp.py, zero/flat.py
-    # and a lab checker; issue 19 item 5 makes it one public helper)
-    ("workbench.parallel.zero.optimizer", "workbench.parallel.zero.flat", "_bucket_params"),
-}
+ALLOWED_PRIVATE: set[tuple[str, str, str | None]] = set()
+# (empty since parallel/buckets.py: DDP, ZeRO and lab 03 cut their buckets with one public helper)
+
+
+# Rule d: the package imports its modules by their new paths; the old ones are kept for learners' code only.
+ALLOWED_OLD_PATH: set[tuple[str, str, str | None]] = set()
 
 
 def module_name(path: str) -> str:
@@ -160,21 +167,42 @@ def dependency(imp: Import, modules: dict[str, tuple[str, str]]) -> str | None:
     return None
 
 
+def old_paths(sources: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """Alias module -> the module it stands for: a module that ends ``sys.modules[__name__] = m`` after
+    ``from <package> import <leaf> as m`` (workbench/train.py and the other paths issue 19 moved)."""
+    found = {}
+    for name, (_, text) in sources.items():
+        tree = ast.parse(text)
+        last = tree.body[-1] if tree.body else None
+        if not (isinstance(last, ast.Assign) and ast.unparse(last.targets[0]) == "sys.modules[__name__]"
+                and isinstance(last.value, ast.Name)):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and [a.asname for a in node.names] == [last.value.id]:
+                found[name] = f"{node.module}.{node.names[0].name}"
+    return found
+
+
 def breaches(sources: dict[str, tuple[str, str]]) -> list[Breach]:
-    """The three rules over ``sources`` (module -> (path, text)), as in package_sources()."""
-    out = []
+    """The four rules over ``sources`` (module -> (path, text)), as in package_sources()."""
+    out, aliases = [], old_paths(sources)
     for module, (path, text) in sources.items():
+        if module in aliases:
+            continue  # an old path only points at its new home
         for imp in imports_of(text, module, path):
             if _private(imp.name) and imp.module != module:
                 out.append(Breach("c", (module, imp.module, imp.name), path, imp.line))
             dep = dependency(imp, sources)
             if dep is None or dep == module:
                 continue
+            if dep in aliases:
+                out.append(Breach("d", (module, dep, None), path, imp.line, f" (import {aliases[dep]} instead)"))
+                dep = aliases[dep] if aliases[dep] in sources else dep
             mine, theirs = floor_of(path), floor_of(sources[dep][0])
             if mine is not None and theirs is not None and theirs > mine:
                 detail = f" (floor {mine} {FLOOR_NAMES[mine]!r} < floor {theirs} {FLOOR_NAMES[theirs]!r})"
                 out.append(Breach("a", (module, dep, None), path, imp.line, detail))
-            mine, theirs = _prefixed(module, STRATEGIES), _prefixed(dep, STRATEGIES) or (dep == COMPOSER and dep)
+            mine, theirs = _prefixed(module, STRATEGIES), _prefixed(dep, STRATEGIES) or (dep in COMPOSERS and dep)
             if mine and theirs and mine != theirs:
                 out.append(Breach("b", (module, dep, None), path, imp.line, f" ({mine} and {theirs} are strategies)"))
     return sorted(set(out), key=lambda b: (b.path, b.line, b.rule, b.key))  # one per statement and key
@@ -184,6 +212,7 @@ RULES = {
     "a": ("upward import", ALLOWED_UPWARD),
     "b": ("strategy imports a sibling strategy", ALLOWED_SIBLING),
     "c": ("private name used across modules", ALLOWED_PRIVATE),
+    "d": ("the package imports an old path", ALLOWED_OLD_PATH),
 }
 
 
@@ -222,15 +251,76 @@ def test_no_private_name_across_modules() -> None:
     _check("c")
 
 
+def test_the_package_imports_no_old_path() -> None:
+    _check("d")
+
+
 def test_every_module_has_a_floor() -> None:
-    missing = [path for path, _ in package_sources().values() if floor_of(path) is None]
+    sources = package_sources()
+    aliases = old_paths(sources)
+    missing = [path for m, (path, _) in sources.items() if floor_of(path) is None and m not in aliases]
     assert not missing, f"no floor for {missing}: add them to FLOORS in {Path(__file__).name}"
 
 
 def test_every_parallel_module_is_a_strategy_or_a_helper() -> None:
-    modules = [m for m in package_sources() if m == "workbench.parallel" or m.startswith("workbench.parallel.")]
-    loose = [m for m in modules if not _prefixed(m, STRATEGIES) and m not in HELPERS and m != COMPOSER]
+    sources = package_sources()
+    modules = [m for m in sources if (m == "workbench.parallel" or m.startswith("workbench.parallel."))
+               and m not in old_paths(sources)]
+    loose = [m for m in modules if not _prefixed(m, STRATEGIES) and m not in HELPERS and m not in COMPOSERS]
     assert not loose, f"{loose}: say whether each is a strategy or a helper (STRATEGIES / HELPERS)"
+
+
+def import_graph(sources: dict[str, tuple[str, str]]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (lazy imports too; an old path counts as its new home)."""
+    aliases = old_paths(sources)
+    graph = {}
+    for module, (path, text) in sources.items():
+        if module not in aliases:
+            deps = {aliases.get(d, d) for imp in imports_of(text, module, path) if (d := dependency(imp, sources))}
+            graph[module] = deps - {module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan 1972): each is a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                component.append(stack.pop())
+                if component[-1] == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    assert not (found := import_cycles(import_graph(package_sources()))), f"modules importing each other: {found}"
+
+
+def test_cycle_finder_finds_a_lazy_circle_and_nothing_else() -> None:
+    graph = import_graph(_sources({"workbench/a.py": "from workbench import b\n", "workbench/b.py": "def f():\n"
+                                   "    import workbench.c\n", "workbench/c.py": "from workbench.a import x\n",
+                                   "workbench/d.py": "from workbench import a\n"}))
+    assert import_cycles(graph) == [["workbench.a", "workbench.b", "workbench.c"]]
 
 
 def test_allow_lists_name_real_modules() -> None:
@@ -251,15 +341,25 @@ def _found(files: dict[str, str]) -> list[tuple]:
 
 
 def test_checker_catches_an_upward_import_even_a_lazy_one() -> None:
-    assert _found({"workbench/theory/memory.py": "def f():\n    from workbench.train import RunConfig\n",
-                   "workbench/train.py": "from workbench.theory.memory import to_unit\n"}) == [
-        ("a", ("workbench.theory.memory", "workbench.train", None), "workbench/theory/memory.py:2")]
+    assert _found({"workbench/theory/memory.py": "def f():\n    from workbench.training.config import RunConfig\n",
+                   "workbench/training/config.py": "from workbench.theory.memory import to_unit\n"}) == [
+        ("a", ("workbench.theory.memory", "workbench.training.config", None), "workbench/theory/memory.py:2")]
 
 
 def test_checker_resolves_a_submodule_imported_from_its_package() -> None:
-    assert _found({"workbench/trace.py": "from workbench import comm\n", "workbench/comm.py": "",
+    assert _found({"workbench/trace.py": "from workbench.dist import comm\n", "workbench/dist/comm.py": "",
+                   "workbench/dist/__init__.py": "",
                    "workbench/__init__.py": "from workbench.trace import Trace\n"}) == [
-        ("a", ("workbench.trace", "workbench.comm", None), "workbench/trace.py:1")]
+        ("a", ("workbench.trace", "workbench.dist.comm", None), "workbench/trace.py:1")]
+
+
+def test_checker_catches_an_import_of_an_old_path_and_judges_it_by_its_new_home() -> None:
+    alias = "import sys\n\nfrom workbench.training import trainer as module\n\nsys.modules[__name__] = module\n"
+    assert _found({"workbench/train.py": alias, "workbench/training/trainer.py": "",
+                   "workbench/training/__init__.py": "",
+                   "workbench/dist/mesh.py": "from workbench.train import Trainer\n"}) == [
+        ("a", ("workbench.dist.mesh", "workbench.training.trainer", None), "workbench/dist/mesh.py:1"),
+        ("d", ("workbench.dist.mesh", "workbench.train", None), "workbench/dist/mesh.py:1")]
 
 
 def test_checker_catches_a_strategy_importing_a_sibling_but_not_a_helper() -> None:

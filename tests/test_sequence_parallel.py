@@ -1,7 +1,8 @@
 """Sequence parallelism (Korthikanti et al. 2022, §4.2.2): g and ḡ against the unsplit computation, one
 SP block against the plain block, the tp=2 tiny GPT through the composer against one process (gradients and
 3 AdamW steps), its comm log against ``theory.comm.sp_*``, the ledger's activation bytes against
-``theory.memory.gpt_*activation_bytes``, and the bad-input errors.
+``theory.memory.gpt_*activation_bytes``, the bad-input errors, and the old import path
+(``workbench.parallel.sequence``) as an alias of ``workbench.parallel.tensor.sequence``.
 
 All the multi-rank work runs in one 2-rank launch (a module fixture), to keep the file fast on 2 cores.
 
@@ -37,7 +38,15 @@ from workbench import launch, trace
 from workbench.mesh import Mesh
 from workbench.models import GPTConfig, build_gpt
 from workbench.parallel import ParallelConfig, parallelize
-from workbench.parallel.sequence import (
+from workbench.parallel.tensor import (
+    BLOCK_PLAN,
+    LOSS_TAG,
+    apply_plan,
+    apply_tensor_parallel,
+    full_gradients,
+    tp_group_of,
+)
+from workbench.parallel.tensor.sequence import (
     SP_GRAD_TAG,
     SP_TAG,
     SP_VOCAB_TAG,
@@ -47,14 +56,6 @@ from workbench.parallel.sequence import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     sequence_parallel_parameters,
-)
-from workbench.parallel.tensor import (
-    BLOCK_PLAN,
-    LOSS_TAG,
-    apply_plan,
-    apply_tensor_parallel,
-    full_gradients,
-    tp_group_of,
 )
 from workbench.theory.comm import (
     bus_bytes,
@@ -342,3 +343,19 @@ def test_seq_len_not_divisible_is_an_error(ranks):
     assert type(model.blocks[0].attn.q) is nn.Linear, "nothing was split before the error"
     for got in ranks:  # a batch of 15 positions on a 16-position model: refused before any collective
         assert "sequence length 15 is not divisible by tp=2" in got["gpt"]["odd_length_error"]
+
+
+# -- (f) ----------------------------------------------------------------------------------------------------
+
+def test_old_path_is_the_same_module():
+    """Sequence parallelism lives in the tensor-parallel strategy (issue 19); its old path is an alias of that
+    module, not a copy: one set of classes, tags and functions, whichever path a learner imports."""
+    import workbench.parallel.sequence as old
+    import workbench.parallel.tensor as tensor
+    import workbench.parallel.tensor.sequence as new
+
+    assert old is new and tensor.sequence is new
+    assert old.SequenceParallelStyles is SequenceParallelStyles and issubclass(new.SequenceParallelStyles,
+                                                                               tensor.TensorParallelStyles)
+    from workbench.parallel.sequence import apply_sequence_parallel as via_old_path
+    assert via_old_path is apply_sequence_parallel is tensor.apply_sequence_parallel

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from workbench.launch import VALID_BACKENDS, VALID_DEVICES
+from workbench.dist.launch import VALID_BACKENDS, VALID_DEVICES
 from workbench.parallel import DDP_KINDS, ZERO_STAGES
-from workbench.recompute import RECOMPUTE_MODES as RUN_RECOMPUTE_MODES
+from workbench.parallel.recompute import RECOMPUTE_MODES as RUN_RECOMPUTE_MODES
 from workbench.run import comm_group_labels, run_training, summarize, write_outputs
 from workbench.theory.pipeline import SCHEDULES
 
@@ -129,8 +129,8 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     ``--backend auto`` follows the device (None)."""
     from dataclasses import fields
 
-    from workbench.launch import under_torchrun
-    from workbench.train import RunConfig
+    from workbench.dist.launch import under_torchrun
+    from workbench.training.config import RunConfig
 
     values = {f.name: getattr(args, f.name) for f in fields(RunConfig) if hasattr(args, f.name)}
     if values["nproc"] is None:
@@ -145,7 +145,7 @@ def _config_from_args(args: argparse.Namespace) -> Any:
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Validate everything before a rank starts (a bad flag is one line, exit 2); a rank's failure is one
     paragraph naming the rank and where it failed (exit 1), not a traceback of the launcher."""
-    from workbench.launch import RankError, resolve_placement, under_torchrun
+    from workbench.dist.launch import RankError, resolve_placement, under_torchrun
 
     try:
         cfg = _config_from_args(args)
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return _report(parser, args)
     elif args.command == "env":
-        from workbench.environment import describe_environment, format_environment
+        from workbench.dist.environment import describe_environment, format_environment
 
         info = describe_environment()
         print(json.dumps(info, indent=2) if args.json else format_environment(info))

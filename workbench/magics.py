@@ -24,7 +24,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
-from workbench.rank_pool import PoolBrokenError, RankPool, RankResult
+from workbench.dist.rank_pool import PoolBrokenError, RankPool, RankResult
 
 _LINE_USAGE = "usage: %ranks start N [--timeout S] [--device auto|cpu|cuda] | status | restart | stop | timeline"
 _CELL_USAGE = "usage: %%ranks [RANKS, e.g. 0,2] [--timeout S]"

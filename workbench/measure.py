@@ -15,8 +15,9 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from workbench.theory.calibration import LinkModel, fit_ring_allreduce
+from workbench.theory.calibration import fit_ring_allreduce
 from workbench.theory.checks import positive_int
+from workbench.theory.comm import Link
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "gloo all_reduce")
 QUICK_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21)  # 4 KiB ... 2 MiB: enough to pin both α and B
@@ -26,8 +27,8 @@ def _sweep_rank(sizes: Sequence[int], reps: int, algorithms: Sequence[str], node
     import torch
     import torch.distributed as dist
 
-    from workbench import comm
-    from workbench.launch import rank_device
+    from workbench.dist import comm
+    from workbench.dist.launch import rank_device
     from workbench.parallel import collectives as C
 
     torch.set_num_threads(1)
@@ -54,7 +55,7 @@ def _sweep_rank(sizes: Sequence[int], reps: int, algorithms: Sequence[str], node
 def allreduce_sweep(world: int, sizes: Sequence[int], reps: int = 5, algorithms: Sequence[str] = ("ring",),
                     node_size: int = 1, timeout: float = 120.0) -> dict[str, list[float]]:
     """Median (over ``reps``) of the slowest rank's time, per algorithm and size (bytes, float32), in seconds."""
-    from workbench.launch import launch
+    from workbench.dist.launch import launch
 
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
@@ -70,12 +71,12 @@ def allreduce_sweep(world: int, sizes: Sequence[int], reps: int = 5, algorithms:
 
 
 def calibrate_link(world: int, sizes: Sequence[int] = QUICK_SIZES, reps: int = 5,
-                   algorithm: str = "gloo all_reduce", timeout: float = 120.0) -> tuple[LinkModel, list[float]]:
+                   algorithm: str = "gloo all_reduce", timeout: float = 120.0) -> tuple[Link, list[float]]:
     """Time one all-reduce ``algorithm`` over ``sizes`` on ``world`` ranks and least-squares fit α and B to it.
 
     The default is the backend's own all-reduce, the collective DDP and ZeRO call; ``"ring"`` calibrates the
     send/recv link our ring, tree and hierarchical all-reduces are built from (notebook 02 fits both). Returns the
-    fitted ``LinkModel`` and the measured times (seconds, one per size), so a caller can print the model's error.
+    fitted ``Link`` and the measured times (seconds, one per size), so a caller can print the model's error.
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world must be an integer >= 2 to calibrate a link, got {world!r}")

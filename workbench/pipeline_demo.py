@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbench import comm, trace
-from workbench.launch import launch, rank_device
+from workbench import trace
+from workbench.dist import comm
+from workbench.dist.launch import launch, rank_device
 from workbench.models import GPTConfig, build_gpt
 from workbench.parallel.pipeline import Pipeline, measured_bubble
 from workbench.theory import pipeline as theory

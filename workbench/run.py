@@ -43,8 +43,8 @@ def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True,
         return run_live(cfg, out)
     from tqdm.auto import tqdm
 
-    from workbench.launch import launch, under_torchrun
-    from workbench.train import train_rank
+    from workbench.dist.launch import launch, under_torchrun
+    from workbench.training.trainer import train_rank
 
     # Under torchrun every process runs this function; only global rank 0 draws and writes.
     lead = not under_torchrun() or os.environ.get("RANK") == "0"
@@ -79,9 +79,10 @@ def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True,
 def prepare_resume(cfg: Any) -> None:
     """A resume on another layout gathers the checkpoint into full tensors first (``train.prepare_resharded_resume``,
     which launches the saved layout's ranks on the CPU): not from inside torchrun, whose processes are the ranks."""
-    from workbench.checkpoint import read_manifest
-    from workbench.launch import under_torchrun
-    from workbench.train import find_resume_point, layout_changes, prepare_resharded_resume
+    from workbench.checkpoint.resume import find_resume_point, layout_changes
+    from workbench.checkpoint.store import read_manifest
+    from workbench.dist.launch import under_torchrun
+    from workbench.training.trainer import prepare_resharded_resume
 
     if under_torchrun():
         saved = read_manifest(find_resume_point(cfg))["meta"]["run_config"]
@@ -120,6 +121,7 @@ def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, A
     steady = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
     return {
         "config": _recorded_config(cfg), "strategy": rank0["strategy"], "n_params": rank0["n_params"],
+        "model_config": asdict(cfg.gpt_config()),  # the model's sizes: the report prices theory from them
         "losses": [m["loss"] for m in history], "tokens_per_s": statistics.median(steady),
         "step_time_s": statistics.median(m["step_time_s"] for m in history[1:] or history),
         "data_wait_s": statistics.median(m.get("data_wait_s", 0.0) for m in history[1:] or history),
@@ -147,7 +149,7 @@ def _recorded_config(cfg: Any) -> dict[str, Any]:
 def _health_summary(rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
     """Spike/NaN events and their actions, the validation curve, and stragglers from every rank's step times
     (the first step is left out: it pays for warm-up on every rank alike)."""
-    from workbench.health import stragglers
+    from workbench.training.health import stragglers
 
     health = dict(rank0.get("health") or {})
     health["val_losses"] = [[m["step"], m["val_loss"]] for m in rank0["history"] if "val_loss" in m]
@@ -164,7 +166,7 @@ def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
     """Every process group of the mesh as ``{"ranks": [...], "axis": name}``, so a report can say which axis
     a collective ran on. Axes of size 1 only give one-rank groups; the whole world is labelled by the single
     axis it equals (e.g. ``dp`` for plain data parallelism), else ``world``."""
-    from workbench.mesh import AXES, MeshShape
+    from workbench.dist.mesh import AXES, MeshShape
 
     shape = MeshShape(**mesh)
     labels: dict[tuple[int, ...], str] = {}
@@ -177,7 +179,7 @@ def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
 
 def _pipeline_summary(cfg: Any, traces: list[Any]) -> dict[str, Any]:
     """Schedule, theory's bubble beside the measured one (median over the traced steps) and activation peaks."""
-    from workbench.mesh import MeshShape
+    from workbench.dist.mesh import MeshShape
     from workbench.parallel.pipeline import busy_intervals, measured_bubble
     from workbench.theory.pipeline import bubble_fraction
 

@@ -510,8 +510,7 @@ def _ship_by_value(*objects: Any) -> None:
 
 def _killed(fn: Any, *args: Any) -> bool:
     """Run ``fn`` in one subprocess that is expected to SIGKILL itself; True if it died, False if it finished."""
-    from workbench import launch
-    from workbench.launch import RankError
+    from workbench.dist.launch import RankError, launch
 
     try:
         launch(fn, 1, *args, device="cpu", timeout=TIMEOUT)
@@ -524,8 +523,7 @@ def _killed(fn: Any, *args: Any) -> bool:
 
 def check(save_atomic: Any, load_verified: Any) -> None:
     """Watch, corrupt, kill; raise ``LabCheckFailed`` naming the mistake, or print what held."""
-    from workbench import launch
-    from workbench.launch import RankError
+    from workbench.dist.launch import RankError, launch
 
     for name, fn in (("save_atomic", save_atomic), ("load_verified", load_verified)):
         if not callable(fn):

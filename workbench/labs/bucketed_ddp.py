@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench import comm
+from workbench.dist import comm
 from workbench.labs import LabCheckFailed, show_hint, within_rounding
+from workbench.parallel.buckets import bucket_params
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -90,7 +91,8 @@ class BucketedDDPScaffold(nn.Module):
         self.group = group
         self.world_size = comm.group_size(group)
         params = [p for p in module.parameters() if p.requires_grad]  # tied weights once, frozen skipped
-        self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        # reverse registration order, as BucketedDDP: backward produces the last layers' gradients first
+        self.buckets = bucket_params(reversed(params), int(bucket_mb * 2**20))
         self.bucket_buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
                                for b in self.buckets]
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
@@ -130,19 +132,6 @@ class BucketedDDPScaffold(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         raise NotImplementedError("when this returns, every .grad is the global-batch gradient, nothing is in "
                                   "flight, and the next backward can start")
-
-
-def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
-    buckets: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > cap_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,7 +318,7 @@ def check(cls: type, world_size: int = WORLD_SIZE, timeout: float = 30.0) -> Non
 
 
 def _check(cls: type, world_size: int, timeout: float) -> None:
-    from workbench.launch import RankError, launch
+    from workbench.dist.launch import RankError, launch
 
     if not (isinstance(cls, type) and issubclass(cls, BucketedDDPScaffold)):
         raise LabCheckFailed(f"check expects your class (a subclass of BucketedDDPScaffold), got {cls!r}")

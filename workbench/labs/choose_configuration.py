@@ -31,12 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.labs import LabCheckFailed, show_hint
-from workbench.theory.comm import (
-    reduce_scatter_time,
-    ring_allreduce_time,
-    sp_block_collectives,
-    tp_block_collectives,
-)
+from workbench.theory.comm import sp_block_collectives, tp_block_collectives
 from workbench.theory.memory import to_unit
 from workbench.theory.models import MODEL_PRESETS, gpt_param_count
 from workbench.theory.parallelism import INFINIBAND, NVLINK, Layout, Link, analyze_layout, micro_batch_size
@@ -344,9 +339,7 @@ def _tp_layer_time(model: Mapping[str, Any], lay: Layout, micro_batch: int, link
     block = (sp_block_collectives if lay.sp else tp_block_collectives)(micro_batch, model["seq_len"],
                                                                        model["d_model"], 2)
     ops = block["forward"] + block["backward"]
-    return sum((ring_allreduce_time if op == "all_reduce" else reduce_scatter_time)(size, lay.tp, link.alpha,
-                                                                                    link.bandwidth)
-               for op, size in ops)
+    return sum(link.collective_time(op, size, lay.tp) for op, size in ops)
 
 
 def _check_tp_in_node(name: str, lay: Layout, model: Mapping[str, Any], cluster: Cluster, global_batch: int) -> None:
@@ -468,8 +461,8 @@ def check_on_ranks(layout: Any, steps: int = 3, timeout: float = 120.0) -> dict[
     """Train the tiny GPT with ``layout`` (≤ 4 gloo ranks; pp = 1: microbatches are gradient accumulation) and
     with one process on the same global batch; the losses must agree within ``LOSS_RTOL``."""
     from workbench.cli import run_training
-    from workbench.launch import RankError
-    from workbench.train import RunConfig
+    from workbench.dist.launch import RankError
+    from workbench.training.config import RunConfig
 
     if layout is None:
         raise LabCheckFailed("SMALL_LAYOUT is still None: pick a layout of the tiny GPT (2 layers, 2 heads, global "

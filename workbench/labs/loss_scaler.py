@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from workbench import comm
+from workbench.dist import comm
 from workbench.labs import LabCheckFailed, show_hint
 
 WORLD_SIZE = 2
@@ -116,7 +116,7 @@ def fp16_grads(coeffs: list[torch.Tensor], scaled_loss_fn: Any) -> list[torch.Te
 
 
 def _record(scaler: Any, stream: list[tuple[str, str]], rank: int, first: int) -> list[dict[str, Any]]:
-    from workbench.launch import rank_device
+    from workbench.dist.launch import rank_device
 
     trace = []
     for i, kinds in enumerate(stream):
@@ -158,7 +158,7 @@ class _Reference:
     """``workbench.precision.DynamicLossScaler`` behind the lab's interface."""
 
     def __init__(self, **kwargs: Any) -> None:
-        from workbench.precision import DynamicLossScaler
+        from workbench.parallel.precision import DynamicLossScaler
 
         self.inner = DynamicLossScaler(**kwargs, min_scale=1.0, max_scale=2.0 ** 24)
 
@@ -432,8 +432,7 @@ def _ship_by_value(*objects: Any) -> None:
 def check(scaler_cls: Any) -> None:
     """Run ``scaler_cls`` beside the reference on 2 ranks over the scripted stream; raise ``LabCheckFailed``
     naming the mistake, or print what works."""
-    from workbench import launch
-    from workbench.launch import RankError
+    from workbench.dist.launch import RankError, launch
 
     if not isinstance(scaler_cls, type):
         raise LabCheckFailed(f"check() wants your scaler class (not an instance), got {scaler_cls!r}")
@@ -477,7 +476,7 @@ def _changes(trace: list[tuple]) -> list[float]:
 
 
 def _demo_rank(scaler_cls: type, steps: int, init_scale: float, growth_interval: int) -> dict[str, Any]:
-    from workbench.launch import rank_device
+    from workbench.dist.launch import rank_device
 
     torch.set_num_threads(1)
     device, rank = rank_device(), comm.group_rank()
@@ -513,7 +512,7 @@ def run_fp16_demo(scaler_cls: Any, steps: int = 60, world_size: int = WORLD_SIZE
                   growth_interval: int = 8) -> list[dict[str, Any]]:
     """Train a tiny fp16 two-layer regression model data-parallel on ``world_size`` ranks with ``scaler_cls``;
     per rank: the scale after each step, whether it was taken, the loss, and the final fp32 masters."""
-    from workbench import launch
+    from workbench.dist.launch import launch
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")

@@ -258,7 +258,7 @@ def _check_on_ranks(plan: list[list[Action]], p: int, m: int) -> dict[str, Any]:
     import torch
 
     from workbench import pipeline_demo
-    from workbench.launch import RankError
+    from workbench.dist.launch import RankError
     from workbench.models import GPTConfig
 
     cfg = GPTConfig.preset("tiny", n_layer=p, seq_len=16)

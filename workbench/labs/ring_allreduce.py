@@ -61,8 +61,9 @@ def case_input(rank: int, numel: int, device: str | torch.device = "cpu") -> tor
 
 def _on_rank(fn: Callable[..., Any], sizes: tuple[int, ...]) -> list[dict[str, Any]]:
     """Run the learner's function once per size on this rank; return tensors and this call's messages."""
-    from workbench import comm, trace
-    from workbench.launch import rank_device
+    from workbench import trace
+    from workbench.dist import comm
+    from workbench.dist.launch import rank_device
 
     out = []
     for numel in sizes:
@@ -100,7 +101,8 @@ def _check(fn: Callable[..., Any], timeout: float) -> None:
 
 
 def _launch(fn: Callable[..., Any], world: int, sizes: tuple[int, ...], timeout: float) -> list:
-    from workbench import RankError, launch
+    from workbench import RankError
+    from workbench.dist.launch import launch
 
     try:
         return list(launch(_on_rank, world, fn, sizes, timeout=timeout))

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench import comm
+from workbench.dist import comm
 from workbench.labs import LabCheckFailed, rounding_error, show_hint, within_rounding
 
 WORLD_SIZE = 2
@@ -165,7 +165,7 @@ def _stage(fn: Any, *args: Any) -> dict[str, Any]:
 
 def _run_f(f: Any, rank: int) -> dict[str, Any]:
     from workbench import trace
-    from workbench.launch import rank_device
+    from workbench.dist.launch import rank_device
 
     log = trace.current().trace.comms
     x, probe = _inputs(8, rank_device())
@@ -180,7 +180,7 @@ def _run_f(f: Any, rank: int) -> dict[str, Any]:
 
 def _run_g(g: Any, rank: int) -> dict[str, Any]:
     from workbench import trace
-    from workbench.launch import rank_device
+    from workbench.dist.launch import rank_device
 
     log = trace.current().trace.comms
     x, probe = _inputs(8, rank_device())
@@ -200,7 +200,7 @@ def _grad(p: torch.Tensor | None) -> torch.Tensor | None:
 
 def _run_mlp(column_cls: type, row_cls: type) -> dict[str, Any]:
     from workbench import trace
-    from workbench.launch import rank_device
+    from workbench.dist.launch import rank_device
 
     log = trace.current().trace.comms
     mlp = _full_mlp(rank_device())
@@ -511,8 +511,7 @@ def _ship_by_value(*objects: Any) -> None:
 def check(f: Any, g: Any, column_cls: Any, row_cls: Any) -> None:
     """Run f, g and ``row(gelu(column(x)))`` on 2 ranks; raise ``LabCheckFailed`` naming the mistake, or print
     what works."""
-    from workbench import launch
-    from workbench.launch import RankError
+    from workbench.dist.launch import RankError, launch
 
     _check_classes(f, g, column_cls, row_cls)
     _ship_by_value(f, g, column_cls, row_cls)

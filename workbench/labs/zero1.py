@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from workbench import comm
+from workbench.dist import comm
 from workbench.labs import LabCheckFailed, rounding_error, show_hint, within_rounding
 
 WORLD_SIZE = 2
@@ -179,8 +179,7 @@ def check(cls: type) -> None:
 
 
 def _check(cls: type) -> None:
-    from workbench import launch
-    from workbench.launch import RankError
+    from workbench.dist.launch import RankError, launch
 
     if not (isinstance(cls, type) and issubclass(cls, ShardedOptimizerScaffold)):
         raise LabCheckFailed(f"check() wants your class (a subclass of ShardedOptimizerScaffold), got {cls!r}")

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench import comm
-from workbench.launch import group_timeout
+from workbench.dist import comm
+from workbench.dist.launch import group_timeout
 
 #: Segment size of the pipelined ring. Big enough that per-message overhead (~tens of µs on gloo/TCP) is
 #: small, small enough that a 64 MiB all-reduce has dozens of messages in flight to overlap with adds.

@@ -60,8 +60,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench import comm, trace
-from workbench.launch import rank_device
+from workbench import trace
+from workbench.dist import comm
+from workbench.dist.launch import rank_device
+from workbench.parallel.buckets import bucket_params
 
 DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
 _MB = 2**20
@@ -295,20 +297,6 @@ class OverlapDDP(_HookedDDP):
         return self._units[i][0].grad
 
 
-def _bucket_params(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
-    """Consecutive runs of ``params`` of at most ``cap_bytes`` each (a bigger tensor gets its own), one dtype."""
-    buckets: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > cap_bytes or p.dtype != buckets[-1][0].dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
-
-
 class BucketedDDP(_HookedDDP):
     """Gradients in flat buckets of <= ``bucket_mb`` MiB, each all-reduced asynchronously once complete.
 
@@ -360,8 +348,9 @@ class BucketedDDP(_HookedDDP):
         return [[names[id(p)] for p in bucket] for bucket in self._units]
 
     def _build_units(self) -> list[list[nn.Parameter]]:
+        # Reverse registration order: backward produces the last layers' gradients first (Li et al. 2020 §3.2.3).
         cap = float("inf") if self.bucket_mb is None else int(self.bucket_mb * _MB)
-        return _bucket_params(list(reversed(self._grad_params)), cap)
+        return bucket_params(reversed(self._grad_params), cap)
 
     def _stage(self, p: nn.Parameter) -> None:
         slot = self._slot[id(p)]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from workbench import comm
+from workbench.dist import comm
 
 
 @torch.no_grad()

@@ -49,8 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench import comm, trace
-from workbench.launch import rank_device
+from workbench import trace
+from workbench.dist import comm
+from workbench.dist.launch import rank_device
 from workbench.parallel.grad_norm import clip_by_shares_
 from workbench.theory import pipeline as theory
 from workbench.theory.pipeline import Action

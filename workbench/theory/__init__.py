@@ -3,13 +3,15 @@
 Every measured figure in the course is drawn beside a prediction from here:
 - `memory`: per-rank bytes of parameters, gradients, master weights, optimizer state (ZeRO paper §5.1)
   and activations (Korthikanti et al. 2022);
-- `comm`: α-β (Hockney) times of ring/tree/hierarchical collectives, bus bytes, bytes per DP step;
+- `comm`: α-β (Hockney) times of ring/tree/hierarchical collectives, bus bytes, bytes per DP step, and `Link`,
+  the one α-β link type (presets in `parallelism`, fitted by `calibration.fit_ring_allreduce`);
 - `models`: exact GPT parameter counts and named model sizes;
 - `pipeline`: schedules as per-rank action lists, their bubble and in-flight micro-batches;
 - `parallelism`: a (dp, tp, pp) layout's memory per rank, traffic per axis and bubble, from all of the above.
 """
 
 from workbench.theory.comm import (
+    Link,
     all_gather_time,
     bus_bandwidth,
     bus_bytes,
@@ -30,7 +32,7 @@ from workbench.theory.memory import (
     total_bytes,
 )
 from workbench.theory.models import MODEL_PRESETS, activation_bytes_per_layer, gpt_param_count
-from workbench.theory.parallelism import Layout, Link, analyze_layout, layout_comm, layout_memory
+from workbench.theory.parallelism import Layout, analyze_layout, layout_comm, layout_memory
 
 __all__ = [
     "MODEL_PRESETS", "OPTIMIZERS", "PRECISIONS", "Layout", "Link", "activation_bytes", "activation_bytes_per_layer",

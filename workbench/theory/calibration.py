@@ -13,30 +13,18 @@ intercept over 2(N−1)). Pure Python: the timing itself lives in ``workbench.me
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from workbench.theory.comm import bus_bytes, fit_alpha_beta, ring_allreduce_time
+from workbench.theory.comm import Link, bus_bytes, fit_alpha_beta
 
-
-@dataclass(frozen=True)
-class LinkModel:
-    """A fitted α-β link: ``alpha`` seconds per message, ``bandwidth`` bytes/s, fitted at ``world`` ranks."""
-
-    alpha: float
-    bandwidth: float
-    world: int
-
-    def ring_allreduce(self, nbytes: float, world: int | None = None) -> float:
-        """Predicted ring all-reduce time of an S-byte tensor (at the fitted world size unless given)."""
-        return ring_allreduce_time(nbytes, self.world if world is None else world, self.alpha, self.bandwidth)
-
-    def describe(self) -> str:
-        return (f"alpha = {self.alpha * 1e6:.0f} us per message, B = {self.bandwidth / 1e9:.2f} GB/s "
-                f"(fitted at N = {self.world})")
+# The fitted model is the package's one α-β link type; the old name stays for notebooks 02-04 and their readers.
+LinkModel = Link
 
 
-def fit_ring_allreduce(sizes: list[float], times: list[float], world: int) -> LinkModel:
+def fit_ring_allreduce(sizes: list[float], times: list[float], world: int) -> Link:
     """Least-squares fit of ring all-reduce times (seconds) over tensor sizes S (bytes) at ``world`` ranks.
+
+    ``comm.fit_alpha_beta`` (the one least-squares fit) on (bus bytes, t) gives B and the intercept 2(N−1)·α;
+    the result is a ``Link`` that remembers ``world``, so ``m.ring_allreduce(S)`` predicts at the fitted N.
 
     >>> m = fit_ring_allreduce([1e3, 1e6, 4e6], [6e-4 + 1.5 * s / 1e9 for s in (1e3, 1e6, 4e6)], world=4)
     >>> round(m.alpha * 1e6), round(m.bandwidth / 1e9, 3)
@@ -47,7 +35,7 @@ def fit_ring_allreduce(sizes: list[float], times: list[float], world: int) -> Li
     if any(t <= 0 for t in times):
         raise ValueError(f"times must all be > 0 seconds, got {times!r}")
     intercept, bandwidth = fit_alpha_beta([bus_bytes("all_reduce", s, world) for s in sizes], list(times))
-    return LinkModel(alpha=intercept / (2 * (world - 1)), bandwidth=bandwidth, world=world)
+    return Link(alpha=intercept / (2 * (world - 1)), bandwidth=bandwidth, world=world)
 
 
 def relative_error(measured: float, model: float) -> float:

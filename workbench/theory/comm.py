@@ -13,6 +13,8 @@ Sizes are bytes, times seconds, bandwidths bytes/second. S always means the full
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from workbench.theory.checks import positive_int
 
@@ -58,6 +60,12 @@ def canonical_op(op: str) -> str:
     if op not in _OP_ALIASES:
         raise ValueError(f"unknown op {op!r}; valid choices: {', '.join(sorted(_OP_ALIASES))}")
     return _OP_ALIASES[op]
+
+
+def p2p_time(nbytes: float, alpha: float, beta_bw: float) -> float:
+    """One point-to-point message of S bytes: α + S/B, Hockney's model itself (no world size)."""
+    _check_link(nbytes, alpha, beta_bw)
+    return alpha + nbytes / beta_bw
 
 
 def ring_allreduce_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
@@ -301,12 +309,102 @@ def sp_grad_collectives(d_model: int, n_layer: int, seq: int, bytes_per_elem: fl
     return [("all_reduce", float((6 * n_layer + 2 + seq) * d_model) * bytes_per_elem)]
 
 
+# ---------------------------------------------------------------------------------------------------------
+# One link: the α-β pair as a value, priced by the functions above.
+
+# The collectives a Link prices over N ranks, by canonical op name (send/recv are priced by message_time).
+_COLLECTIVE_TIME: dict[str, Callable[[float, int, float, float], float]] = {
+    "all_reduce": ring_allreduce_time, "reduce_scatter": reduce_scatter_time, "all_gather": all_gather_time,
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link in Hockney's α-β model (Hockney 1994): a message of S bytes costs α + S/B.
+
+    ``alpha``: seconds per message (latency, >= 0, finite); ``bandwidth``: bytes/s each way (> 0; ``inf`` is a
+    latency-only link, what ``fit_alpha_beta`` returns when the times do not grow with the size); ``name``: a
+    label for tables; ``world``: the ranks a fitted link was measured at (``calibration.fit_ring_allreduce``),
+    the default N of the collective methods, or None for a link given by hand (presets, the calculator's link flags).
+
+    The methods price the collectives ``comm`` models (ring all-reduce, reduce-scatter, all-gather, tree
+    all-reduce, one message) by calling this module's float functions, so every formula is written once.
+    This is also ``theory.parallelism.Link`` and ``theory.calibration.LinkModel``: the same class.
+    """
+
+    alpha: float
+    bandwidth: float
+    name: str = ""
+    world: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.alpha, bool) or not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha)
+                                                and self.alpha >= 0):
+            raise ValueError(f"link latency alpha must be a finite number of seconds >= 0, got {self.alpha!r}")
+        if isinstance(self.bandwidth, bool) or not (isinstance(self.bandwidth, int | float) and self.bandwidth > 0):
+            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not isinstance(self.name, str):  # catches Link(a, b, 4), meant as world=4
+            raise ValueError(f"link name must be a str, got {self.name!r} (pass the world size as world=...)")
+        if self.world is not None and (isinstance(self.world, bool) or not isinstance(self.world, int)
+                                       or self.world < 2):
+            # N = 1 sends nothing, so no link can have been fitted there.
+            raise ValueError(f"link world (ranks it was fitted at) must be an integer >= 2 or None, got {self.world!r}")
+
+    def _n(self, world: int | None) -> int:
+        if world is not None:
+            return world
+        if self.world is None:
+            raise ValueError(f"link {self.name or self.describe()!r} has no fitted world size: pass world=N")
+        return self.world
+
+    def message_time(self, nbytes: float) -> float:
+        """One point-to-point message: α + S/B."""
+        return p2p_time(nbytes, self.alpha, self.bandwidth)
+
+    def ring_allreduce(self, nbytes: float, world: int | None = None) -> float:
+        """Ring all-reduce of an S-byte tensor over ``world`` ranks (the fitted world size if not given)."""
+        return ring_allreduce_time(nbytes, self._n(world), self.alpha, self.bandwidth)
+
+    def reduce_scatter(self, nbytes: float, world: int | None = None) -> float:
+        """Ring reduce-scatter of an S-byte (full, unsharded) tensor over ``world`` ranks."""
+        return reduce_scatter_time(nbytes, self._n(world), self.alpha, self.bandwidth)
+
+    def all_gather(self, nbytes: float, world: int | None = None) -> float:
+        """Ring all-gather into an S-byte (full) tensor over ``world`` ranks."""
+        return all_gather_time(nbytes, self._n(world), self.alpha, self.bandwidth)
+
+    def tree_allreduce(self, nbytes: float, world: int | None = None) -> float:
+        """Binary-tree all-reduce, whole message per hop, over ``world`` ranks."""
+        return tree_allreduce_time(nbytes, self._n(world), self.alpha, self.bandwidth)
+
+    def collective_time(self, op: str, nbytes: float, world: int | None = None) -> float:
+        """Time of ``op`` (any spelling ``canonical_op`` knows) on S bytes, by the methods above.
+
+        all_reduce, reduce_scatter, all_gather: the ring algorithms over ``world`` ranks; send, recv: one
+        message. Other ops have no price here: ValueError rather than a made-up formula.
+        """
+        name = canonical_op(op)
+        if name in ("send", "recv"):
+            return self.message_time(nbytes)
+        if name not in _COLLECTIVE_TIME:
+            raise ValueError(f"no α-β price for op {op!r}; priced: {', '.join([*_COLLECTIVE_TIME, 'send', 'recv'])}")
+        return _COLLECTIVE_TIME[name](nbytes, self._n(world), self.alpha, self.bandwidth)
+
+    def describe(self) -> str:
+        """One line for a notebook: α in µs, B in GB/s, the fitted world size when there is one, the name."""
+        text = f"alpha = {self.alpha * 1e6:.0f} us per message, B = {self.bandwidth / 1e9:.2f} GB/s"
+        if self.world is not None:
+            text += f" (fitted at N = {self.world})"
+        return f"{self.name}: {text}" if self.name else text
+
+
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
     """Least-squares fit of t = α + S/B to measurements; returns (α seconds, B bytes/s).
 
     Ordinary least squares on (S, t): slope = 1/B, intercept = α. A non-positive slope (times that do
     not grow with size, e.g. all in the latency regime) gives B = inf; a negative intercept is clamped
-    to 0 since latency cannot be negative.
+    to 0 since latency cannot be negative. The package's only fit: ``calibration.fit_ring_allreduce`` calls it
+    on bus bytes and wraps the result in a ``Link``.
     """
     if len(sizes) != len(times):
         raise ValueError(f"sizes and times differ in length: {len(sizes)} vs {len(times)}")
@@ -322,8 +420,8 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
 
 
 __all__ = [
-    "OPS", "algorithm_bandwidth", "all_gather_time", "bus_bandwidth", "bus_bytes", "canonical_op",
-    "dp_step_collectives", "dp_step_volume", "fit_alpha_beta", "hierarchical_allreduce_time",
+    "OPS", "Link", "algorithm_bandwidth", "all_gather_time", "bus_bandwidth", "bus_bytes", "canonical_op",
+    "dp_step_collectives", "dp_step_volume", "fit_alpha_beta", "hierarchical_allreduce_time", "p2p_time",
     "reduce_scatter_time", "ring_allreduce_time", "sp_block_collectives", "sp_block_volume", "sp_grad_collectives",
     "sp_vocab_collectives", "tp_block_collectives", "tp_block_volume", "tp_vocab_collectives", "tree_allreduce_time",
 ]

@@ -46,10 +46,9 @@ from dataclasses import asdict, dataclass
 
 from workbench.theory.checks import positive_int
 from workbench.theory.comm import (
+    Link,  # defined in comm, the α-β model's home; re-exported here, where the presets and layouts use it
     bus_bytes,
     dp_step_collectives,
-    reduce_scatter_time,
-    ring_allreduce_time,
     sp_block_collectives,
     tp_block_collectives,
 )
@@ -77,26 +76,7 @@ from workbench.theory.pipeline import validate as validate_schedule
 AXES: tuple[str, ...] = ("dp", "tp", "pp")
 
 
-@dataclass(frozen=True)
-class Link:
-    """One axis's network in the α-β model: ``alpha`` seconds per message, ``bandwidth`` bytes/s each way."""
-
-    alpha: float
-    bandwidth: float
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha) and self.alpha >= 0):
-            raise ValueError(f"link latency alpha must be a finite number of seconds >= 0, got {self.alpha!r}")
-        if not (isinstance(self.bandwidth, int | float) and self.bandwidth > 0):
-            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-
-    def message_time(self, nbytes: float) -> float:
-        """One point-to-point message: α + S/B."""
-        return self.alpha + nbytes / self.bandwidth
-
-
-# Orders of magnitude, not measurements: fit your own with comm.fit_alpha_beta and pass them in.
+# Orders of magnitude, not measurements: fit your own (calibration.fit_ring_allreduce) and pass them in.
 # NVLink 4 (H100 SXM) carries 900 GB/s per GPU in both directions together, 450 GB/s each way; one
 # 400 Gb/s InfiniBand NDR NIC per GPU carries 50 GB/s. Latencies of a few microseconds (NCCL in a node)
 # and about ten across nodes. Tensor parallelism stays inside a node; data and pipeline cross nodes.
@@ -299,21 +279,13 @@ def _layer_activation(shape: dict, micro_batch: int, seq_len: int | None, precis
 # Communication.
 
 
-def _op_time(op: str, nbytes: float, world: int, link: Link) -> float:
-    if op == "all_reduce":
-        return ring_allreduce_time(nbytes, world, link.alpha, link.bandwidth)
-    if op in ("reduce_scatter", "all_gather"):
-        return reduce_scatter_time(nbytes, world, link.alpha, link.bandwidth)
-    return link.message_time(nbytes)  # send
-
-
 def _axis_cost(ops: list[tuple[str, float, int]], world: int, link: Link) -> dict:
     """Totals of (op, S, count) triples on one axis of ``world`` ranks: S summed ("tensor_bytes", what a comm
     log's nbytes adds up to), bytes each rank sends under ring algorithms ("wire_bytes"), and α-β time."""
     return {"group_size": world, "link": asdict(link), "ops": [list(o) for o in ops],
             "tensor_bytes": sum(s * n for _, s, n in ops),
             "wire_bytes": sum(bus_bytes(op, s, world) * n for op, s, n in ops),
-            "time_s": sum(_op_time(op, s, world, link) * n for op, s, n in ops)}
+            "time_s": sum(link.collective_time(op, s, world) * n for op, s, n in ops)}
 
 
 def _count(collectives: list[tuple[str, float]], times: int) -> list[tuple[str, float, int]]:

@@ -254,24 +254,23 @@ def config_section(summary: dict[str, Any]) -> list[str]:
 UNMODELLED_MEMORY = ("comm_buffers", "gathered_params")
 
 
-def model_shape(config: dict[str, Any], n_params: int | None = None) -> dict[str, Any] | None:
+def model_shape(config: dict[str, Any], n_params: int | None = None,
+                model_config: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The run's GPT as a theory model dict (``theory.models``' "gpt" arch), or None where it cannot be known.
 
-    summary.json names the preset, not its sizes, so they are read from the model's preset table; the models
-    package imports torch but never torch.distributed. The count must reproduce the run's ``n_params`` exactly,
-    else theory would describe another model and None is returned."""
+    ``model_config`` is the model's sizes as summary.json records them (``model_config``: the run writes its
+    ``GPTConfig`` there), so the report never imports the model. A summary written before that key existed gives
+    None. The count must reproduce the run's ``n_params`` exactly, else theory would describe another model and
+    None is returned."""
+    g = model_config or {}
     try:
-        from workbench.models.gpt import GPTConfig
-
-        overrides = {"seq_len": config["seq_len"]} if config.get("seq_len") else {}
-        g = GPTConfig.preset(config["model"], **overrides)
-    except (ImportError, KeyError, ValueError, TypeError):
+        shape = {"n_layer": g["n_layer"], "d_model": g["d_model"], "n_head": g["n_head"],
+                 "vocab_size": g["vocab_size"], "seq_len": g["seq_len"], "dropout": False, "exact": True,
+                 "arch": "gpt", "n_params": gpt_param_count(g["n_layer"], g["d_model"], g["vocab_size"],
+                                                            g["seq_len"], g["mlp_ratio"], g["tie_embeddings"])}
+    except (KeyError, ValueError, TypeError):
         return None
-    shape = {"n_layer": g.n_layer, "d_model": g.d_model, "n_head": g.n_head, "vocab_size": g.vocab_size,
-             "seq_len": g.seq_len, "dropout": False, "exact": True, "arch": "gpt",
-             "n_params": gpt_param_count(g.n_layer, g.d_model, g.vocab_size, g.seq_len, g.mlp_ratio,
-                                         g.tie_embeddings)}
-    if g.mlp_ratio != 4 or (n_params is not None and shape["n_params"] != n_params):
+    if g["mlp_ratio"] != 4 or (n_params is not None and shape["n_params"] != n_params):
         return None
     return shape
 
@@ -299,9 +298,10 @@ def axis_coordinate(groups: Sequence[dict[str, Any]] | None, rank: int, axis: st
 def _theory_setup(summary: dict[str, Any]) -> tuple[dict[str, Any], Layout, int, int] | str:
     """(shape, layout, micro-batch, seq_len) for the run, or a sentence saying why theory cannot be applied."""
     config = summary.get("config") or {}
-    shape = model_shape(config, summary.get("n_params"))
+    shape = model_shape(config, summary.get("n_params"), summary.get("model_config"))
     if shape is None:
-        return f"model {config.get('model')!r} has no exact theory shape here (its parameter count is not ours)"
+        return (f"model {config.get('model')!r} has no exact theory shape here (its parameter count is not ours, "
+                "or summary.json does not record the model's sizes)")
     try:
         layout, micro = run_layout(config)
         layout.validate(shape, shape["seq_len"])
@@ -651,7 +651,7 @@ def _plan_beside_measured(summary: dict[str, Any], traces: Sequence[Trace], step
                  [t.rank for t in traces])
     stages = [t for t in traces if t.rank in group]
     try:
-        shape = model_shape(config, summary.get("n_params"))
+        shape = model_shape(config, summary.get("n_params"), summary.get("model_config"))
         plan = make_plan(pipe["schedule"], p, pipe["microbatches"], pipe.get("virtual_stages", 1),
                          shape["n_layer"] if shape else None)
         fig = plan_vs_measured(plan, stages, step, measured_bubble=pipe.get("bubble_measured"),

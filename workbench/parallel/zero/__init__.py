@@ -20,21 +20,34 @@ bytes exactly Ψ/N plus padding (``flat.py`` says how and why).
 
 Where each idea lives (read them in this order):
 
-``flat.py``           the flat-bucket layout all stages share: ``Bucket``, bucketing, step pieces, sizes
+``flat.py``           the flat-bucket layout all stages share: ``Bucket``, step pieces, sizes (which parameters
+                      share a bucket: ``workbench.parallel.buckets.bucket_params``, as DDP's buckets)
 ``optimizer.py``      ``ZeroOptimizer``: stage 1's sharded step and all-gather, clipping over shards, stage 3's step
 ``gradients.py``      stage 2: each bucket's gradient reduce-scattered into the shard while backward runs
-``fully_sharded.py``  stage 3: ``FullyShardedModel``, its units (``default_units``, ``units_from_policy``),
-                      per-unit gather / free / reduce-scatter, replicated parameters, state dicts by name
+``fully_sharded.py``  stage 3's runtime: ``FullyShardedModel``, per-unit gather / free / reduce-scatter, the
+                      replicated parameters' all-reduce, no_sync
+``units.py``          stage 3's layout decisions: which submodules are units (``default_units``,
+                      ``units_from_policy``), which parameters stay replicated
+``sharded_unit.py``   one stage-3 unit: its flat shard and transient full buffer (``ShardedUnit``)
+``casts.py``          stage 3's mixed precision: what is cast to ``param_dtype`` around each forward
+``state_dict.py``     stage 3's state dicts and full parameters under the unwrapped model's names (a mixin of
+                      ``FullyShardedModel``)
 ``offload.py``        ZeRO-Offload: host copies (pinned on CUDA) and the optimizer's master shards
 
 Why this split: one file per idea, named after it, rather than one per stage number. Stages 1 and 2 differ
 only in *when* gradients are reduced, so they share one optimizer class and stage 2's extra machinery
 (hooks, in-flight reduce-scatters) sits beside it in ``gradients.py``; stage 3 changes the *model*, so it is
-a module wrapper of its own; offload is orthogonal to the stages (ZeroOptimizer and FullyShardedModel both
-use it); the flat layout is what every stage shares. Dependencies run one way: ``flat`` and ``offload``
-import nothing of the package, ``gradients`` imports ``flat``, ``optimizer`` and ``fully_sharded`` import
-those, and only this file imports ``optimizer`` and ``fully_sharded``. Outside the package they import only
-``workbench.comm``, ``workbench.trace`` and ``workbench.launch``, never another strategy.
+a module wrapper of its own, and its parts that are not the runtime (choosing units, casts, state dicts) each
+have a file; offload is orthogonal to the stages (ZeroOptimizer and FullyShardedModel both use it); the flat
+layout is what every stage shares. Dependencies run one way: ``flat``, ``offload``, ``units`` and ``casts``
+import nothing of the package; ``gradients`` imports ``flat``; ``sharded_unit`` imports ``flat`` and
+``offload``; ``state_dict`` imports ``sharded_unit``; ``optimizer`` imports ``flat``, ``gradients`` and
+``offload``; ``fully_sharded`` imports ``flat``, ``offload``, ``units``, ``casts``, ``sharded_unit`` and
+``state_dict`` (and re-exports ``default_units``, ``units_from_policy`` and ``VALID_WRAP_POLICIES``, so their
+old path works); and only this file imports ``optimizer`` and ``fully_sharded``. Outside the package they
+import only the dist floor (``workbench.dist.comm``, ``workbench.dist.launch``), ``workbench.trace``,
+``workbench.theory`` and the helpers ``workbench.parallel.buckets`` and (for a type only)
+``workbench.parallel.precision``, never another strategy.
 
 Memory is recorded in the tracer's ledger (``workbench.trace``): "parameters" (what this rank permanently
 holds), "gradients", "optimizer_state" (tensors of the inner optimizer's state, its 0-dim step counters

@@ -1,6 +1,6 @@
 """Flat buckets: the one memory layout every ZeRO stage uses, and why it was chosen.
 
-Parameters are laid end to end in *flat buckets* (for stage 3, one bucket per unit: ``fully_sharded._Unit``),
+Parameters are laid end to end in *flat buckets* (for stage 3, one bucket per unit: ``sharded_unit.ShardedUnit``),
 each padded to a multiple of N; rank r owns the contiguous slice [r·S, (r+1)·S) of every bucket
 (S = ⌈bucket/N⌉). Flat contiguous shards make the per-rank bytes exactly ZeRO's Ψ/N (plus at most N−1
 padding elements per bucket), and each bucket is one ``reduce_scatter`` and one ``all_gather`` whose input
@@ -11,11 +11,11 @@ parameters become views into the bucket buffers (DeepSpeed's "contiguous gradien
 all-gather writes the updated weights straight into the model and the optimizer steps a view of the owned
 slice: no extra copy of the parameters exists.
 
-Here: ``Bucket`` (a stage 0-2 bucket: the flat buffer, the owned shard, the bucket's gradient as one flat
-tensor or as this rank's slice), ``_bucket_params`` (which parameters share a bucket), ``step_chunks``
-(the cache-sized pieces the inner optimizer steps), ``all_gather_accepts_own_slice`` (whether a shard can
-be all-gathered without a staging copy), and two helpers the stages share (``ceil_div``,
-``queue_end_of_backward``).
+Which parameters share a bucket is ``workbench.parallel.buckets.bucket_params`` (DDP cuts its buckets the same
+way). Here: ``Bucket`` (a stage 0-2 bucket: the flat buffer, the owned shard, the bucket's gradient as one flat
+tensor or as this rank's slice), ``step_chunks`` (the cache-sized pieces the inner optimizer steps),
+``all_gather_accepts_own_slice`` (whether a shard can be all-gathered without a staging copy), and two helpers
+the stages share (``ceil_div``, ``queue_end_of_backward``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workbench import comm
+from workbench.dist import comm
 
 DEFAULT_BUCKET_MB = 25.0
 # The inner optimizer steps each flat shard as pieces of at most this many bytes. An element-wise optimizer
@@ -136,25 +136,6 @@ class Bucket:
         if grad0 is None or base + own_lo < 0:
             return None
         return grad0.detach().as_strided((own_hi - own_lo,), (1,), base + own_lo)
-
-
-def _bucket_params(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
-    """Group params, in reverse registration order (the order backward produces their gradients, Li et al.
-    2020 §3.2.3), into lists of at most ``cap_bytes`` (a larger param gets a bucket of its own) that share
-    dtype and device, so each list can be one flat tensor."""
-    buckets: list[list[nn.Parameter]] = []
-    size = 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        fits = buckets and size + nbytes <= cap_bytes
-        same_kind = buckets and (buckets[-1][0].dtype, buckets[-1][0].device) == (p.dtype, p.device)
-        if fits and same_kind:
-            buckets[-1].append(p)
-            size += nbytes
-        else:
-            buckets.append([p])
-            size = nbytes
-    return buckets
 
 
 def step_chunks(t: torch.Tensor) -> list[torch.Tensor]:

@@ -27,29 +27,38 @@ flat all-reduce after backward, and ``ZeroOptimizer(stage=3)`` steps them fully 
 State dicts under the unwrapped model's names (``state_dict``, ``full_state_dict``, ``load_state_dict``): the
 keys are exactly the wrapped model's ``state_dict()`` keys, so a checkpoint reads like a DDP wrapper's.
 
-Here: ``FullyShardedModel``, ``default_units``, ``units_from_policy``, a unit's flat shard and transient full
-buffer (``_Unit``) and the autograd function whose backward is the moment to reduce-scatter (``_Unshard``).
+Here: the runtime, ``FullyShardedModel`` (construction, per-unit gather / free / reduce-scatter, replicated
+parameters' all-reduce, no_sync, tensor-parallel norm shares) and the autograd function whose backward is the
+moment to reduce-scatter (``_Unshard``). The rest of stage 3 sits beside it, one job per file: unit selection and
+replicated parameters in ``units.py``, a unit's flat shard and transient full buffer in ``sharded_unit.py``,
+mixed-precision casts in ``casts.py``, state dicts and full parameters by name in ``state_dict.py``.
+``default_units``, ``units_from_policy`` and ``VALID_WRAP_POLICIES`` are importable from here as before.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
-from workbench import comm, trace
-from workbench.parallel.zero.flat import ceil_div, queue_end_of_backward
+from workbench import trace
+from workbench.dist import comm
+from workbench.parallel.zero.casts import cast_during_forward, cast_floating, check_mp_policy, low_precision_slots
+from workbench.parallel.zero.flat import queue_end_of_backward
 from workbench.parallel.zero.offload import offload_copy
+from workbench.parallel.zero.sharded_unit import ShardedUnit
+from workbench.parallel.zero.state_dict import ShardedStateDict
+from workbench.parallel.zero.units import VALID_WRAP_POLICIES as VALID_WRAP_POLICIES
+from workbench.parallel.zero.units import check_units, replicated_params, units_from_policy
+from workbench.parallel.zero.units import default_units as default_units
 
 if TYPE_CHECKING:  # only the type: a strategy file imports no training-layer module at run time
-    from workbench.precision import MixedPrecision
+    from workbench.parallel.precision import MixedPrecision
 
 
 def _record_span(name: str, category: str, t0: float) -> None:
@@ -57,49 +66,6 @@ def _record_span(name: str, category: str, t0: float) -> None:
     tracer = trace.current()
     if tracer is not None and tracer.enabled:
         tracer.trace.spans.append(trace.Span(name, category, t0, time.time(), tracer.trace.rank, tracer.step))
-
-
-class _Unit:
-    """One unit of a ``FullyShardedModel``: its trainable params flattened, padded and sharded.
-
-    ``shard`` (an nn.Parameter of ``shard_numel`` elements, registered on the unit's module as
-    ``_flat_param``) is all this rank keeps. ``full`` is the gathered flat tensor while the unit is in use;
-    its storage is emptied (``resize_(0)``) in between, as FSDP does, so the views autograd saved for
-    backward stay valid and are refilled by the backward all-gather.
-    """
-
-    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter],
-                 uses: list[tuple[nn.Module, str, int]], world: int, rank: int, offload_device: Any,
-                 mp_policy: MixedPrecision | None = None) -> None:
-        self.name, self.module, self.uses = name, module, uses
-        self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
-        numel = sum(self.numels)
-        self.shard_numel = ceil_div(numel, world)
-        self.split_sizes = [*self.numels, world * self.shard_numel - numel]
-        self.dtype, self.device = params[0].dtype, params[0].device  # the shard's (the master's) dtype
-        # What the gathered unit computes in and what its gradient is reduce-scattered in (None: as produced).
-        self.compute_dtype = mp_policy.param_dtype if mp_policy is not None else self.dtype
-        self.reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
-        flat = torch.cat([p.detach().reshape(-1) for p in params]
-                         + [params[0].new_zeros(self.split_sizes[-1])])
-        shard = flat[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone()
-        self.offloaded = offload_device is not None
-        self.shard = nn.Parameter(offload_copy(shard, torch.device(offload_device)) if self.offloaded else shard)
-        self.shard._zero_shard = True
-        self.shard._zero_offloaded = self.offloaded
-        self.full: torch.Tensor | None = None
-        self.work: Any = None
-        self.acc_grad: torch.Tensor | None = None  # no_sync: summed full gradients of earlier micro-batches
-        self.backward_started = False
-        self.t0 = 0.0  # when this unit's forward / backward started (for its span)
-
-    @property
-    def full_bytes(self) -> int:
-        return sum(self.split_sizes) * self.compute_dtype.itemsize
-
-    def is_gathered(self) -> bool:
-        return self.full is not None and self.full.untyped_storage().nbytes() > 0
 
 
 class _Unshard(torch.autograd.Function):
@@ -114,7 +80,7 @@ class _Unshard(torch.autograd.Function):
     gathers_parameters = True  # the ledger counts its output as parameters, not activations (trace.py)
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, owner: FullyShardedModel, unit: _Unit) -> torch.Tensor:
+    def forward(ctx: Any, shard: torch.Tensor, owner: FullyShardedModel, unit: ShardedUnit) -> torch.Tensor:
         ctx.owner, ctx.unit = owner, unit
         return unit.full
 
@@ -123,151 +89,7 @@ class _Unshard(torch.autograd.Function):
         return ctx.owner._reduce_grad(ctx.unit, grad_full), None, None
 
 
-def default_units(module: nn.Module) -> list[nn.Module]:
-    """FSDP's usual wrapping: each child of every ``nn.ModuleList`` (GPT blocks, ToyMLP layers)."""
-    return [child for m in module.modules() if isinstance(m, nn.ModuleList) for child in m]
-
-
-#: Containers without a forward of their own: a forward hook on them never fires, so they cannot be units
-#: (FSDP1's size-based policy skips them too, ``exclude_wrap_modules``).
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-VALID_WRAP_POLICIES = ("a set/tuple of nn.Module types (each submodule of such a type is a unit)",
-                       "a positive int (size-based: a submodule becomes a unit once the trainable parameters not "
-                       "already inside a smaller unit reach that many elements)",
-                       "a callable (qualified_name, module) -> bool")
-
-
-def units_from_policy(module: nn.Module, wrap_policy: Any,
-                      exclude: Iterable[nn.Parameter] = ()) -> list[nn.Module]:
-    """The submodules of ``module`` that ``wrap_policy`` makes units, parents before children (FSDP's auto-wrap
-    policies, Zhao et al. 2023 §3.2.1; the root is never listed: it takes what no unit does).
-
-    ``wrap_policy``: a set/tuple/list of ``nn.Module`` types (a bare type is read as one); a positive int,
-    FSDP1's ``size_based_auto_wrap_policy``: bottom-up, a submodule becomes a unit when its trainable
-    parameters not already inside a smaller unit reach that many elements (``exclude``: parameters that are
-    not sharded, e.g. replicated ones, do not count); or a callable ``(qualified_name, module) -> bool``.
-    None: ``default_units``. Containers without a forward (``nn.ModuleList``...) are never units."""
-    if wrap_policy is None:
-        return default_units(module)
-    named = [(n, m) for n, m in module.named_modules() if m is not module]
-    if isinstance(wrap_policy, type):
-        wrap_policy = (wrap_policy,)
-    if isinstance(wrap_policy, (set, frozenset, tuple, list)):
-        types = tuple(wrap_policy)
-        if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
-            raise ValueError(f"wrap_policy {wrap_policy!r} is not valid: a collection must hold nn.Module types "
-                             f"(e.g. {{nn.Linear, Block}}); valid: {'; '.join(VALID_WRAP_POLICIES)}")
-        chosen = [m for _, m in named if isinstance(m, types)]
-    elif isinstance(wrap_policy, int) and not isinstance(wrap_policy, bool):
-        if wrap_policy <= 0:
-            raise ValueError(f"wrap_policy {wrap_policy!r}: a size-based policy needs a positive number of "
-                             f"elements; valid: {'; '.join(VALID_WRAP_POLICIES)}")
-        chosen = _size_units(module, wrap_policy, {id(p) for p in exclude})
-    elif callable(wrap_policy):
-        chosen = [m for n, m in named if wrap_policy(n, m)]
-    else:
-        raise ValueError(f"wrap_policy {wrap_policy!r} ({type(wrap_policy).__name__}) is not valid; valid: "
-                         f"{'; '.join(VALID_WRAP_POLICIES)}")
-    picked = {id(m) for m in chosen}
-    containers = [n for n, m in named if id(m) in picked and isinstance(m, _CONTAINERS)]
-    if containers and not isinstance(wrap_policy, int):
-        raise ValueError(f"wrap_policy {wrap_policy!r} picks {containers[:3]}, containers without a forward (their "
-                         "hooks never fire, so their parameters would never be gathered); pick their children")
-    return chosen
-
-
-def _size_units(module: nn.Module, min_numel: int, excluded: set[int]) -> list[nn.Module]:
-    """FSDP1's size-based policy: children first, so a submodule counts only what no unit inside it took."""
-    order = {id(m): i for i, m in enumerate(module.modules())}
-    claimed: set[int] = set(excluded)
-    chosen: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            visit(child)
-        if m is module or isinstance(m, _CONTAINERS) or any(c is m for c in chosen):  # shared: visited twice
-            return
-        free = {id(p): p.numel() for p in m.parameters() if p.requires_grad and id(p) not in claimed}
-        if sum(free.values()) >= min_numel:
-            chosen.append(m)
-            claimed.update(free)
-
-    visit(module)
-    return sorted(chosen, key=lambda m: order[id(m)])  # parents before children: the innermost unit wins
-
-
-_NORM_LAYERS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
-
-_CastSlots = list[tuple[str, nn.Parameter]]
-
-
-def _low_precision_slots(module: nn.Module, replicated: dict[str, nn.Parameter],
-                         param_dtype: torch.dtype) -> dict[nn.Module, _CastSlots]:
-    """The modules that must see a replicated parameter in ``param_dtype``, each with its (attribute, master) pairs.
-
-    A module's own parameters meet in one op (a Linear's weight and bias; a LayerNorm's kernel wants weight and
-    bias in one dtype), so one that mixes replicated fp32 and gathered low-precision parameters gets them all in
-    ``param_dtype``. A norm layer whose parameters are all replicated is left in fp32 (see ``FullyShardedModel``).
-    A tied parameter is listed under every module that holds it."""
-    ids = {id(p) for p in replicated.values()}
-    slots: dict[nn.Module, _CastSlots] = {}
-    for owner in module.modules():
-        own = [(name, p) for name, p in owner._parameters.items() if p is not None]
-        picked = [(name, p) for name, p in own if id(p) in ids and p.dtype != param_dtype]
-        if not picked or (isinstance(owner, _NORM_LAYERS) and all(id(p) in ids for _, p in own)):
-            continue
-        slots[owner] = picked
-    return slots
-
-
-def _cast_during_forward(owner: nn.Module, slots: _CastSlots, dtype: torch.dtype) -> None:
-    """While ``owner`` runs forward (a recomputation's rerun too), its attributes in ``slots`` are ``dtype``
-    copies of the masters; after it (even one that raised) the masters are back, under the same keys and order."""
-
-    def cast(module: nn.Module, args: Any) -> None:
-        for name, master in slots:
-            module._parameters[name] = master.to(dtype)  # a plain tensor for the forward: autograd reaches master
-
-    def restore(module: nn.Module, args: Any, output: Any) -> None:
-        for name, master in slots:
-            module._parameters[name] = master
-
-    owner.register_forward_pre_hook(cast)
-    owner.register_forward_hook(restore, always_call=True)
-
-
-def _replicated_params(module: nn.Module, replicate: Any) -> dict[str, nn.Parameter]:
-    """``replicate`` resolved to {name: parameter} of trainable parameters (first name of a tied one).
-
-    ``replicate``: None; an iterable of parameters or of their qualified names (``module.named_parameters``);
-    or a callable ``(name, param) -> bool``. Frozen parameters are replicated anyway and are skipped."""
-    if replicate is None:
-        return {}
-    named = dict(module.named_parameters())
-    aliases = dict(module.named_parameters(remove_duplicate=False))
-    first_name = {id(p): n for n, p in named.items()}
-    if callable(replicate):
-        picked = [p for n, p in aliases.items() if replicate(n, p)]
-    elif isinstance(replicate, (str, torch.Tensor)) or not isinstance(replicate, Iterable):
-        raise ValueError(f"replicate {replicate!r} is not valid; valid: an iterable of parameters or of their "
-                         "qualified names (e.g. ['ln_f.weight']), or a callable (name, param) -> bool")
-    else:
-        picked = []
-        for item in replicate:
-            if isinstance(item, str):
-                if item not in aliases:
-                    raise ValueError(f"replicate names {item!r}, which is not a parameter of the wrapped model; "
-                                     f"valid names include {list(named)[:4]}")
-                picked.append(aliases[item])
-            elif isinstance(item, nn.Parameter) and id(item) in first_name:
-                picked.append(item)
-            else:
-                raise ValueError(f"replicate holds {type(item).__name__} {str(item)[:40]!r}: each item must be a "
-                                 "parameter of the wrapped model or its qualified name")
-    return {first_name[id(p)]: p for p in picked if p.requires_grad}
-
-
-class FullyShardedModel(nn.Module):
+class FullyShardedModel(ShardedStateDict, nn.Module):
     """ZeRO stage 3 / FSDP: every rank keeps 1/N of each unit's parameters and gathers a unit only to use it.
 
     Units: ``units`` lists the submodules sharded as one unit each, or ``wrap_policy`` picks them (a set of
@@ -320,7 +142,7 @@ class FullyShardedModel(nn.Module):
                  replicate: Iterable[nn.Parameter | str] | Callable[[str, nn.Parameter], bool] | None = None
                  ) -> None:
         super().__init__()
-        _check_mp_policy(mp_policy)
+        check_mp_policy(mp_policy)
         if units is not None and wrap_policy is not None:
             raise ValueError(f"pass units=[...] or wrap_policy={wrap_policy!r}, not both: units lists the units "
                              "explicitly, wrap_policy picks them")
@@ -329,10 +151,10 @@ class FullyShardedModel(nn.Module):
         self.group = group
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         self.prefetch, self.offload_params = prefetch, offload_params
-        self._replicated = _replicated_params(module, replicate)
+        self._replicated = replicated_params(module, replicate)
         unit_modules = list(units) if units is not None else units_from_policy(module, wrap_policy,
                                                                                 self._replicated.values())
-        _check_units(module, unit_modules)
+        check_units(module, unit_modules)
         self._names = [name for name, _ in module.named_parameters()]
         self._state_keys = list(module.state_dict().keys())  # before the parameters move into flat shards
         pids = {id(p): name for name, p in module.named_parameters()}
@@ -340,7 +162,7 @@ class FullyShardedModel(nn.Module):
         self._kept = {name: p for name, p in module.named_parameters()
                       if not p.requires_grad or name in self._replicated}  # frozen and replicated: whole
         # before the shards take the sharded parameters out of their modules: a norm's own parameters are read
-        casts = _low_precision_slots(module, self._replicated, mp_policy.param_dtype) if mp_policy else {}
+        casts = low_precision_slots(module, self._replicated, mp_policy.param_dtype) if mp_policy else {}
         self._units, self._where = self._build_units(unit_modules, offload_device if offload_params else None)
         self._unit_of_module = {id(u.module): u for u in self._units}
         for u in self._units:
@@ -351,9 +173,9 @@ class FullyShardedModel(nn.Module):
             p._zero_replicated = True
             p.register_post_accumulate_grad_hook(self._on_replicated_grad)
         for owner, slots in casts.items():
-            _cast_during_forward(owner, slots, mp_policy.param_dtype)
-        self._order: list[_Unit] = []
-        self._last_order: list[_Unit] = list(self._units)
+            cast_during_forward(owner, slots, mp_policy.param_dtype)
+        self._order: list[ShardedUnit] = []
+        self._last_order: list[ShardedUnit] = list(self._units)
         self._no_sync = False
         self._callback_queued = False
         self._warn_if_one_unit()
@@ -361,7 +183,7 @@ class FullyShardedModel(nn.Module):
 
     # -- construction ------------------------------------------------------------------------------------
 
-    def _build_units(self, unit_modules: list[nn.Module], offload_device: Any) -> tuple[list[_Unit], dict]:
+    def _build_units(self, unit_modules: list[nn.Module], offload_device: Any) -> tuple[list[ShardedUnit], dict]:
         owner: dict[int, nn.Module] = {}
         for u in unit_modules:  # a nested unit is listed after its parent so the innermost wins
             for sub in u.modules():
@@ -388,7 +210,7 @@ class FullyShardedModel(nn.Module):
             if not pids:
                 continue
             unit_uses = [(mod, local, i) for i, pid in enumerate(pids) for mod, local in uses[pid]]
-            unit = _Unit(names.get(id(m), "") or "root", m, [params[pid] for pid in pids], unit_uses, self.world,
+            unit = ShardedUnit(names.get(id(m), "") or "root", m, [params[pid] for pid in pids], unit_uses, self.world,
                          self.rank, offload_device, self.mp_policy)
             for i, pid in enumerate(pids):
                 where[pid] = (unit, i)
@@ -418,7 +240,7 @@ class FullyShardedModel(nn.Module):
                 u.full = None
         if self.mp_policy is not None and getattr(self.mp_policy, "cast_forward_inputs", True):
             dtype = self.mp_policy.param_dtype
-            args, kwargs = _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
+            args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
         root = self._unit_of_module.get(id(self.module))
         if root is not None:
             self._pre_forward(root)
@@ -432,13 +254,13 @@ class FullyShardedModel(nn.Module):
         self._last_order = list(self._order)
         return out
 
-    def _make_pre_forward(self, unit: _Unit) -> Any:
+    def _make_pre_forward(self, unit: ShardedUnit) -> Any:
         return lambda module, args: self._pre_forward(unit)
 
-    def _make_post_forward(self, unit: _Unit) -> Any:
+    def _make_post_forward(self, unit: ShardedUnit) -> Any:
         return lambda module, args, out: self._post_forward(unit, out)
 
-    def _pre_forward(self, unit: _Unit) -> None:
+    def _pre_forward(self, unit: ShardedUnit) -> None:
         self._order.append(unit)
         unit.t0 = time.time()
         self._start_gather(unit)
@@ -452,7 +274,7 @@ class FullyShardedModel(nn.Module):
             if nxt is not None and nxt not in self._order:
                 self._start_gather(nxt)
 
-    def _post_forward(self, unit: _Unit, out: Any) -> None:
+    def _post_forward(self, unit: ShardedUnit, out: Any) -> None:
         _record_span(f"forward {unit.name}", "forward", unit.t0)
         self._free(unit)
         tensors = [t for t in _tensors(out) if t.requires_grad]
@@ -465,12 +287,12 @@ class FullyShardedModel(nn.Module):
 
     # -- backward ----------------------------------------------------------------------------------------
 
-    def _make_pre_backward(self, unit: _Unit) -> Any:
+    def _make_pre_backward(self, unit: ShardedUnit) -> Any:
         def hook(grad: torch.Tensor) -> None:
             self._pre_backward(unit)
         return hook
 
-    def _pre_backward(self, unit: _Unit) -> None:
+    def _pre_backward(self, unit: ShardedUnit) -> None:
         if unit.backward_started:
             return
         unit.backward_started = True
@@ -486,7 +308,7 @@ class FullyShardedModel(nn.Module):
             if prev is not None:
                 self._start_gather(prev)
 
-    def _reduce_grad(self, unit: _Unit, grad_full: torch.Tensor) -> torch.Tensor | None:
+    def _reduce_grad(self, unit: ShardedUnit, grad_full: torch.Tensor) -> torch.Tensor | None:
         """The unit's backward is done: average its gradient into this rank's shard, free the full unit."""
         self._wait(unit)
         self._free(unit)
@@ -552,7 +374,7 @@ class FullyShardedModel(nn.Module):
 
     # -- gather / free -----------------------------------------------------------------------------------
 
-    def _start_gather(self, unit: _Unit) -> None:
+    def _start_gather(self, unit: ShardedUnit) -> None:
         """Launch the async all-gather of ``unit`` into its flat buffer, unless gathered or in flight.
 
         After forward, ``unit.full`` keeps its (emptied) storage, which autograd's saved views share: the
@@ -576,135 +398,19 @@ class FullyShardedModel(nn.Module):
         trace.ledger_add("gathered_params", unit.full_bytes)
         unit.work = comm.all_gather(target, src, group=self.group, async_op=True, tag="param")
 
-    def _wait(self, unit: _Unit) -> None:
+    def _wait(self, unit: ShardedUnit) -> None:
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
 
-    def _free(self, unit: _Unit) -> None:
+    def _free(self, unit: ShardedUnit) -> None:
         if unit.is_gathered():
             unit.full.untyped_storage().resize_(0)
             trace.ledger_add("gathered_params", -unit.full_bytes)
 
-    # -- inspection --------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded parameters by their original names (an all-gather: call it on every rank)."""
-        gathered = {}
-        for u in self._units:
-            out = torch.empty(sum(u.split_sizes), dtype=u.dtype, device=u.device)
-            comm.all_gather(out, u.shard.detach().to(u.device), group=self.group, tag="checkpoint")
-            gathered[id(u)] = torch.split(out, u.split_sizes)
-        result = {}
-        for name in self._names:
-            if name in self._where:
-                unit, i = self._where[name]
-                result[name] = gathered[id(unit)][i].view(unit.shapes[i]).clone()
-            else:
-                result[name] = self._kept[name].detach().clone()
-        return result
-
-    # -- names and state dicts: the unwrapped model's ----------------------------------------------------
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The shards (``<unit>._flat_param``) and the replicated and frozen parameters under their own names,
-        without a ``module.`` prefix (as the DDP wrappers)."""
-        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-
-    def shard_ranges(self) -> dict[str, tuple[int, int]]:
-        """For each sharded parameter (every name, tied ones too): the range [lo, hi) of its flattened elements
-        this rank holds, i.e. what its ``state_dict()`` value is (empty when lo == hi)."""
-        out = {}
-        for key, name in self._canonical.items():
-            if name in self._where:
-                unit, i = self._where[name]
-                lo, hi, start = self._piece(unit, i)
-                out[key] = (lo - start, hi - start)
-        return out
-
-    def _piece(self, unit: _Unit, i: int) -> tuple[int, int, int]:
-        """Where parameter ``i`` of ``unit`` meets this rank's shard: [lo, hi) in the shard, and ``start``, the
-        parameter's first element relative to the shard (so its elements [lo - start, hi - start))."""
-        start = sum(unit.numels[:i]) - self.rank * unit.shard_numel
-        lo = min(max(start, 0), unit.shard_numel)
-        return lo, max(lo, min(start + unit.numels[i], unit.shard_numel)), start
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> dict[str, Any]:
-        """The sharded state dict under the wrapped model's keys (see the class docstring): no communication.
-        Sharded parameters' values are views of this rank's shard (as ``nn.Module.state_dict`` gives views)."""
-        if args:
-            raise ValueError("FullyShardedModel.state_dict takes keyword arguments only (destination, prefix, "
-                             f"keep_vars), got {len(args)} positional")
-        inner = self.module.state_dict(keep_vars=keep_vars)
-        out = OrderedDict() if destination is None else destination
-        for key in self._state_keys:
-            name = self._canonical.get(key)
-            if name in self._where:
-                unit, i = self._where[name]
-                lo, hi, _ = self._piece(unit, i)
-                out[prefix + key] = unit.shard.detach()[lo:hi]
-            else:
-                out[prefix + key] = inner[key]
-        return out
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unwrapped model's full state dict, every parameter gathered whole (an all-gather per unit: every
-        rank must call it); ``nn.Module.load_state_dict(strict=True)`` of the unwrapped model accepts it."""
-        full = self.full_parameters()
-        inner = self.module.state_dict()
-        return OrderedDict((key, full[self._canonical[key]] if key in self._canonical else inner[key].detach().clone())
-                           for key in self._state_keys)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> _IncompatibleKeys:
-        """Load ``state_dict()``'s sharded layout (bit-exact) or a full state dict of the unwrapped model: per key,
-        a value of the parameter's full shape is cut to this rank's piece, a 1-D value of this rank's piece's
-        length is that piece. A state dict of the older ``<unit>._flat_param`` layout loads as it is. No
-        communication. ``strict``: missing or unexpected keys are a ValueError naming them."""
-        if assign:
-            raise ValueError("FullyShardedModel.load_state_dict copies into its shards; assign=True is not supported")
-        if any(k.endswith("._flat_param") for k in state_dict):
-            return super().load_state_dict(state_dict, strict=strict)  # the flat-shard layout of earlier versions
-        expected = set(self._state_keys)
-        missing = [k for k in self._state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if strict and (missing or unexpected):
-            raise ValueError(f"state dict does not match the wrapped model: missing keys {missing[:5]}, unexpected "
-                             f"keys {unexpected[:5]}; expected the unwrapped model's keys, e.g. {self._state_keys[:3]}")
-        rest = {}
-        with torch.no_grad():
-            for key, value in state_dict.items():
-                name = self._canonical.get(key)
-                if name in self._where:
-                    self._load_piece(key, *self._where[name], value)
-                elif key in expected:
-                    rest[key] = value
-        self.module.load_state_dict(rest, strict=False)  # buffers, replicated and frozen parameters
-        return _IncompatibleKeys(missing, unexpected)
-
-    def _load_piece(self, key: str, unit: _Unit, i: int, value: torch.Tensor) -> None:
-        lo, hi, start = self._piece(unit, i)
-        if not torch.is_tensor(value):
-            raise ValueError(f"state dict value for {key!r} is {type(value).__name__}, not a tensor")
-        if tuple(value.shape) == tuple(unit.shapes[i]):
-            value = value.reshape(-1)[lo - start:hi - start]
-        elif value.dim() != 1 or value.numel() != hi - lo:
-            raise ValueError(f"state dict value for {key!r} has shape {tuple(value.shape)}; expected the full "
-                             f"parameter {tuple(unit.shapes[i])} or this rank's piece of it, 1-D of {hi - lo} "
-                             f"elements (rank {self.rank} of {self.world})")
-        unit.shard.detach()[lo:hi].copy_(value)
-
     # -- a model also split over other ranks (tensor / sequence parallelism) ---------------------------------
 
-    def _local_segments(self, names: Mapping[str, Any]) -> Iterator[tuple[_Unit, int, int, Any]]:
+    def _local_segments(self, names: Mapping[str, Any]) -> Iterator[tuple[ShardedUnit, int, int, Any]]:
         """(unit, start, end, value): where in this rank's shard of its unit each named parameter lies."""
         for name, value in names.items():
             if name not in self._where:
@@ -773,7 +479,7 @@ class FullyShardedModel(nn.Module):
                 "gradients": trace.tensor_bytes(u.shard.grad for u in self._units if u.shard.grad is not None)}
 
 
-def _after(order: list[_Unit], unit: _Unit) -> _Unit | None:
+def _after(order: list[ShardedUnit], unit: ShardedUnit) -> ShardedUnit | None:
     for i, u in enumerate(order[:-1]):
         if u is unit:
             return order[i + 1]
@@ -788,38 +494,3 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _tensors(o)]
     return []
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor in it (through tuples, lists and dicts) cast to ``dtype``."""
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields positionally
-        return type(value)(*(_cast_floating(v, dtype) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _check_mp_policy(mp_policy: Any) -> None:
-    if mp_policy is None:
-        return
-    dtypes = [getattr(mp_policy, name, None) for name in ("param_dtype", "reduce_dtype")]
-    if not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
-        raise ValueError(f"mp_policy must carry floating param_dtype and reduce_dtype (workbench.precision."
-                         f"policy(name).sharded()), got {mp_policy!r}")
-
-
-def _check_units(module: nn.Module, units: list[nn.Module]) -> None:
-    inside = {id(m) for m in module.modules()}
-    for u in units:
-        if not isinstance(u, nn.Module) or id(u) not in inside:
-            raise ValueError(f"every unit must be a submodule of the wrapped model; got {type(u).__name__} "
-                             "that is not (use default_units(model) or children of model)")
-        if u is module:
-            raise ValueError("the wrapped model itself is the root unit; list only its submodules in units")
-        if isinstance(u, _CONTAINERS):
-            raise ValueError(f"a {type(u).__name__} cannot be a unit: it has no forward, so its hooks never fire and "
-                             "its parameters would never be gathered; list its children instead")

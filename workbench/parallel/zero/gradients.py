@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from workbench import comm, trace
+from workbench import trace
+from workbench.dist import comm
 from workbench.parallel.zero.flat import Bucket, queue_end_of_backward
 
 

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-from workbench import comm, trace
-from workbench.launch import rank_device
+from workbench import trace
+from workbench.dist import comm
+from workbench.dist.launch import rank_device
+from workbench.parallel.buckets import bucket_params
 from workbench.parallel.zero.flat import (
     DEFAULT_BUCKET_MB,
     Bucket,
-    _bucket_params,
     all_gather_accepts_own_slice,
     step_chunks,
 )
@@ -142,7 +143,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if stage == 3:
                 tensors = list(g["params"])
             else:
-                new = [Bucket(b, parts, part_rank) for b in _bucket_params(g["params"], int(bucket_cap_mb * 2**20))]
+                # reverse registration order, the order backward produces gradients (Li et al. 2020 §3.2.3), so
+                # stage 2's first bucket is complete, and reduce-scattered, while backward goes on
+                cut = bucket_params(reversed(g["params"]), int(bucket_cap_mb * 2**20))
+                new = [Bucket(b, parts, part_rank) for b in cut]
                 for b in new:
                     b.norm_share, b.partial_grads = float(g.get(NORM_SHARE, 1.0)), g.get(PARTIAL_GRADS)
                 self.buckets += new

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import trace
-from workbench.faults import RESTART_ENV, restart_count
+from workbench.dist.faults import RESTART_ENV, restart_count
 
 VALID_BACKENDS = ("gloo", "nccl")
 VALID_DEVICES = ("auto", "cpu", "cuda")

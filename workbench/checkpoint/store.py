@@ -118,7 +118,7 @@ def _dist_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int
 
 def _default_barrier(world_size: int) -> Callable[[], None]:
     if world_size > 1 and dist.is_available() and dist.is_initialized():
-        from workbench import comm  # imported here: comm pulls in the trace machinery only when distributed
+        from workbench.dist import comm  # imported here: comm pulls in the trace machinery only when distributed
 
         return lambda: comm.barrier(tag="checkpoint")
     return lambda: None

@@ -1,0 +1,288 @@
+"""Every collective workbench uses, each logged to the active tracer.
+
+One thin layer over ``torch.distributed``: each function calls the primitive and appends a
+``CommEvent`` (op, bytes, dtype, group ranks, start and end time) to ``trace.current()``. Because every
+strategy communicates through here, the bytes-per-step table, the communication timeline and the
+"ZeRO-3 moves 1.5x DDP's bytes" lesson all come from one measured log.
+
+With no process group (one process) or a group of one rank, the collectives are identities, so
+single-process training runs the same code path as data-parallel training.
+
+``group=None`` means the default (world) group, as in torch.distributed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workbench import trace
+from workbench.theory import comm as theory_comm
+from workbench.trace import CommEvent
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "product": dist.ReduceOp.PRODUCT}
+VALID_REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+# torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep working on older releases too.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def group_rank(group: Any = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def group_ranks(group: Any = None) -> tuple[int, ...]:
+    """Global ranks of ``group`` in group-rank order."""
+    if not is_distributed():
+        return (0,)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def global_rank(group: Any, group_rank_: int) -> int:
+    """The global rank of ``group``'s member number ``group_rank_`` (send/recv take global ranks)."""
+    return group_ranks(group)[group_rank_]
+
+
+def bus_bytes(op: str, nbytes: int, world: int) -> float:
+    """Bytes one rank sends for ``op`` (ring accounting, ``theory.comm.bus_bytes``); nothing moves in a group
+    of one, nor in a barrier."""
+    if world <= 1 or op == "barrier":
+        return 0.0
+    return theory_comm.bus_bytes(op, nbytes, world)
+
+
+def check_device(op: str, group: Any, *tensors: torch.Tensor) -> None:
+    """Refuse, with the fix, a tensor the group's backend cannot move: NCCL needs CUDA tensors; gloo
+    collectives on CUDA tensors crashed the rank when measured (``writev: Bad address``)."""
+    if not is_distributed() or group_size(group) == 1:  # a group of one moves nothing
+        return
+    backend = dist.get_backend(group)
+    for t in tensors:
+        if backend == "nccl" and t.device.type != "cuda":
+            raise ValueError(f"{op}: the NCCL backend needs CUDA tensors, got one on {t.device}; create it on "
+                             f"the rank's device (workbench.launch.rank_device() / mesh.device)")
+        if backend == "gloo" and t.device.type == "cuda":
+            raise ValueError(f"{op}: gloo cannot move CUDA tensors here, got one on {t.device}; launch with "
+                             f"device='cuda' (NCCL) or keep the tensor on the CPU")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _record(op: str, t: torch.Tensor, nbytes: int, group: Any, t0: float, async_op: bool = False,
+            tag: str = "", peer: int | None = None) -> None:
+    tracer = trace.current()
+    if tracer is None:
+        return
+    ranks = group_ranks(group)
+    world = 2 if op in ("send", "recv") else len(ranks)
+    tracer.record_comm(CommEvent(
+        op=op, nbytes=int(nbytes), bus_bytes=bus_bytes(op, nbytes, world), dtype=str(t.dtype).replace("torch.", ""),
+        shape=tuple(t.shape), group=ranks, t0=t0, t1=time.time(), rank=tracer.trace.rank,
+        async_op=async_op, tag=tag, peer=peer))
+
+
+class Work:
+    """Handle of an async op: ``wait()`` blocks, then logs the op with the time it really finished."""
+
+    def __init__(self, work: Any, on_done: Any) -> None:
+        self._work = work
+        self._on_done = on_done
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self._done = True
+        self._on_done()
+
+    @property
+    def waited(self) -> bool:
+        """True once ``wait()`` returned (finishing on its own does not count: nobody saw the result)."""
+        return self._done
+
+    def is_completed(self) -> bool:
+        return self._done or (self._work is not None and self._work.is_completed())
+
+
+def _finish(op: str, work: Any, async_op: bool, record: Any, after: Any = None) -> Work | None:
+    """Wait now (sync) or hand back a Work that logs on wait (async). ``after`` runs once the data is in."""
+
+    def on_done() -> None:
+        if after is not None:
+            after()
+        record()
+
+    handle = Work(work, on_done)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _reduce_op(op: str) -> Any:
+    if op not in VALID_REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; valid: {', '.join(VALID_REDUCE_OPS)}")
+    return _REDUCE_OPS.get(op, dist.ReduceOp.SUM)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_op: bool = False,
+               tag: str = "") -> Work | None:
+    """In-place all-reduce. ``op="avg"`` is a sum followed by a division (gloo has no AVG everywhere)."""
+    reduce_op = _reduce_op(op)
+    check_device("all_reduce", group, tensor)
+    t0 = time.time()
+    world = group_size(group)
+    after = (lambda: tensor.div_(world)) if op == "avg" and world > 1 else None
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True) if world > 1 else None
+    return _finish("all_reduce", work, async_op,
+                   lambda: _record("all_reduce", tensor, _nbytes(tensor), group, t0, async_op, tag), after)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: str = "sum", group: Any = None,
+                         tag: str = "") -> list[torch.Tensor]:
+    """All-reduce several tensors as one flat message (one collective, one log entry) and return the results,
+    views of one new buffer shaped like the inputs; the inputs are left as they are (copy or rebind them)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, op=op, group=group, tag=tag)
+    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group: Any = None,
+                   async_op: bool = False, tag: str = "") -> Work | None:
+    """``output`` (shape input/N along dim 0) receives this rank's reduced chunk of ``input``."""
+    reduce_op = _reduce_op(op)
+    world = group_size(group)
+    if input.shape[0] != output.shape[0] * world:
+        raise ValueError(f"reduce_scatter: input dim 0 ({input.shape[0]}) must be world ({world}) x "
+                         f"output dim 0 ({output.shape[0]})")
+    check_device("reduce_scatter", group, output, input)
+    t0 = time.time()
+    if world == 1:
+        output.copy_(input)
+        work = None
+    else:
+        work = _reduce_scatter_single(output, input, op=reduce_op, group=group, async_op=True)
+    after = (lambda: output.div_(world)) if op == "avg" and world > 1 else None
+    return _finish("reduce_scatter", work, async_op,
+                   lambda: _record("reduce_scatter", input, _nbytes(input), group, t0, async_op, tag), after)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
+               tag: str = "") -> Work | None:
+    """``output`` (N x input along dim 0) receives every rank's ``input`` in group-rank order."""
+    world = group_size(group)
+    if output.shape[0] != input.shape[0] * world:
+        raise ValueError(f"all_gather: output dim 0 ({output.shape[0]}) must be world ({world}) x "
+                         f"input dim 0 ({input.shape[0]})")
+    check_device("all_gather", group, output, input)
+    t0 = time.time()
+    if world == 1:
+        output.copy_(input)
+        work = None
+    else:
+        work = _all_gather_single(output, input, group=group, async_op=True)
+    return _finish("all_gather", work, async_op,
+                   lambda: _record("all_gather", output, _nbytes(output), group, t0, async_op, tag))
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False,
+              tag: str = "") -> Work | None:
+    """Broadcast from ``src``, a *global* rank as in torch.distributed."""
+    check_device("broadcast", group, tensor)
+    t0 = time.time()
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True) if group_size(group) > 1 else None
+    return _finish("broadcast", work, async_op,
+                   lambda: _record("broadcast", tensor, _nbytes(tensor), group, t0, async_op, tag))
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = None, async_op: bool = False,
+           tag: str = "") -> Work | None:
+    """Reduce to ``dst`` (a global rank); other ranks' tensors are left unspecified."""
+    reduce_op = _reduce_op(op)
+    world = group_size(group)
+    check_device("reduce", group, tensor)
+    t0 = time.time()
+    work = dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=True) if world > 1 else None
+    is_dst = not is_distributed() or dist.get_rank() == dst
+    after = (lambda: tensor.div_(world)) if op == "avg" and world > 1 and is_dst else None
+    return _finish("reduce", work, async_op,
+                   lambda: _record("reduce", tensor, _nbytes(tensor), group, t0, async_op, tag), after)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
+               tag: str = "") -> Work | None:
+    """Chunk i of ``input`` goes to group rank i; chunk j of ``output`` comes from group rank j."""
+    check_device("all_to_all", group, output, input)
+    t0 = time.time()
+    if group_size(group) == 1:
+        output.copy_(input)
+        work = None
+    else:
+        work = dist.all_to_all_single(output, input, group=group, async_op=True)
+    return _finish("all_to_all", work, async_op,
+                   lambda: _record("all_to_all", input, _nbytes(input), group, t0, async_op, tag))
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> None:
+    """Blocking send to global rank ``dst``."""
+    check_device("send", group, tensor)
+    t0 = time.time()
+    dist.send(tensor, dst=dst, group=group)
+    _record("send", tensor, _nbytes(tensor), group, t0, tag=tag, peer=dst)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> None:
+    """Blocking receive from global rank ``src`` into ``tensor``."""
+    check_device("recv", group, tensor)
+    t0 = time.time()
+    dist.recv(tensor, src=src, group=group)
+    _record("recv", tensor, _nbytes(tensor), group, t0, tag=tag, peer=src)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> Work:
+    check_device("isend", group, tensor)
+    t0 = time.time()
+    work = dist.isend(tensor, dst=dst, group=group)
+    return Work(work, lambda: _record("send", tensor, _nbytes(tensor), group, t0, True, tag, dst))
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> Work:
+    check_device("irecv", group, tensor)
+    t0 = time.time()
+    work = dist.irecv(tensor, src=src, group=group)
+    return Work(work, lambda: _record("recv", tensor, _nbytes(tensor), group, t0, True, tag, src))
+
+
+def barrier(group: Any = None, tag: str = "") -> None:
+    t0 = time.time()
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+    _record("barrier", torch.empty(0, device="cpu"), 0, group, t0, tag=tag)  # a record, not data
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` (pickled; for small metadata, not tensors on a hot path)."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,259 @@
+"""``RunConfig``: everything that defines a run, validated before any rank is spawned.
+
+Flat for its users (``RunConfig(nproc=2, zero=3)``, the CLI's flags, summary.json, checkpoint manifests); the
+trainer (``workbench.training.trainer``) runs one rank of it and ``workbench.run`` runs it start to end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from workbench.checkpoint.resume import find_resume_point
+from workbench.checkpoint.store import (
+    ensure_writable,
+)
+from workbench.data import corpus_tokens
+from workbench.dist.faults import parse_fault
+from workbench.models import PRESETS, GPTConfig
+from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig
+from workbench.parallel.recompute import check_mode as check_recompute_mode
+from workbench.theory.checks import positive_int, positive_number
+from workbench.theory.composition import Combination, check_composition
+from workbench.training.health import SPIKE_ACTIONS, SpikeDetector, split_windows
+
+S = TypeVar("S")
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; validated before any rank is spawned."""
+
+    model: str = "tiny"
+    seq_len: int | None = None
+    nproc: int = 1
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"  # pipeline schedule: naive, gpipe, 1f1b, interleaved, zb
+    microbatches: int | None = None  # the pipeline's micro-batches per step (default: 2 x pp)
+    virtual_stages: int = 1  # stages per rank (interleaved)
+    sp: bool = False  # sequence parallelism (needs tp > 1)
+    recompute: str = "none"  # activation recomputation: none, selective (attention core), full (every block)
+    precision: str = "fp32"  # compute dtype: fp32, bf16, fp16 (fp32 masters and optimizer state; fp16: loss scaler)
+    reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32, or the compute dtype (needs zero=3)
+    init_loss_scale: float = 2.0 ** 16  # fp16's dynamic loss scaler: the first scale (Micikevicius et al. 2018)
+    loss_scale_growth_interval: int = 2000  # fp16: clean steps before the scale doubles
+    steps: int = 50
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 5
+    weight_decay: float = 0.1
+    clip: float | None = 1.0
+    seed: int = 0
+    ddp: str = "bucketed"
+    bucket_mb: float | None = 25.0  # None: one bucket for every gradient
+    zero: int = 0
+    zero3_replicate: list[str] = field(default_factory=list)  # ZeRO-3: glob patterns of parameters kept whole
+    offload: bool = False
+    data: str | None = None
+    timeout: float = 120.0
+    trace_steps: int = 5
+    device: str | None = None  # auto / cpu / cuda (None: $WORKBENCH_DEVICE or auto); see launch.resolve_placement
+    backend: str | None = None  # gloo / nccl (None: follows the device)
+    port: int = 0  # rendezvous port on 127.0.0.1 (0: the OS picks)
+    ckpt_dir: str | None = None  # where checkpoints go (workbench.checkpoint); None: no checkpoints
+    ckpt_every: int | None = None  # save after every K-th step (and after the last); None: after the last only
+    keep: int | None = None  # keep the newest K checkpoints; None: keep them all
+    resume: bool = False  # continue from the newest good checkpoint in ckpt_dir (same layout only)
+    async_ckpt: bool = False  # snapshot to CPU and write in a background thread while training goes on
+    export: str | None = None  # write the trained model's full state dict here (a plain model loads it)
+    max_restarts: int = 0  # restart every rank after a failure, up to K times, resuming from the newest checkpoint
+    inject_fault: str | None = None  # KIND:rank=R:step=S, KIND in kill/raise/hang (workbench.faults), first attempt
+    val_every: int | None = None  # validation loss every K steps on a held-out split (and a duplicated-shard check)
+    val_fraction: float = 0.1  # the corpus's last windows held out for validation when val_every is set
+    on_spike: str = "warn"  # a NaN/Inf or loss spike: warn, rollback (to the newest checkpoint, skipping batches), stop
+    spike_factor: float = 3.0  # a loss above this x the recent median is a spike
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        model_parallel = self.tp * self.pp if all(isinstance(v, int) and v > 0 for v in (self.tp, self.pp)) else 1
+        if self.dp is None:
+            self.dp = max(1, self.nproc // model_parallel)
+        if self.microbatches is None:
+            self.microbatches = 2 * self.pp if isinstance(self.pp, int) and self.pp > 1 else 1
+        self.validate()
+
+    def validate(self) -> None:
+        positive_int("nproc", self.nproc)
+        positive_int("dp", self.dp)
+        positive_int("steps", self.steps)
+        positive_int("batch_size", self.batch_size)
+        positive_int("grad_accum", self.grad_accum)
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown model {self.model!r}; valid: {sorted(PRESETS)}")
+        positive_int("tp", self.tp)
+        positive_int("pp", self.pp)
+        if self.dp * self.tp * self.pp != self.nproc:
+            raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.dp * self.tp * self.pp} but "
+                             f"nproc={self.nproc}: the mesh must use every rank; leave --dp out to get "
+                             f"nproc / (tp x pp)")
+        if self.sp and self.tp > 1:
+            from workbench.parallel.tensor.sequence import check_sequence_parallel_sizes
+
+            check_sequence_parallel_sizes(self.gpt_config(), self.tp)
+        self._validate_pipeline()
+        check_recompute_mode(self.recompute)
+        self._validate_precision()
+        check_composition(self.combination())  # what composes: one table (theory.composition)
+        if self.tp > 1:
+            from workbench.parallel.tensor import check_tensor_parallel_sizes
+
+            check_tensor_parallel_sizes(self.gpt_config(), self.tp)
+        per_rank, rem = divmod(self.batch_size, self.dp * self.grad_accum)
+        if rem or per_rank == 0:
+            raise ValueError(f"batch_size={self.batch_size} must be a positive multiple of dp x grad_accum = "
+                             f"{self.dp} x {self.grad_accum} = {self.dp * self.grad_accum}")
+        if self.ddp not in DDP_KINDS:
+            raise ValueError(f"ddp={self.ddp!r}; valid: {', '.join(DDP_KINDS)}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"zero={self.zero!r}; valid: {ZERO_STAGES}")
+        mib = self.bucket_mb
+        if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0):
+            raise ValueError(f"bucket_mb must be > 0 MiB, or None for one bucket, got {self.bucket_mb}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip must be > 0 (or None to disable), got {self.clip}")
+        positive_number("lr", self.lr)
+        positive_number("timeout", self.timeout)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 (steps of linear warm-up), got {self.warmup!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.seq_len is not None:
+            positive_int("seq_len", self.seq_len)
+        self._validate_data()
+        self._validate_checkpointing()
+        self._validate_faults()
+        self._validate_health()
+        if self.export is not None:
+            ensure_writable(Path(self.export).parent)
+
+    def _validate_faults(self) -> None:
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0 (restarts after a failure), got {self.max_restarts!r}")
+        if self.inject_fault is not None:
+            parse_fault(self.inject_fault, self.nproc, self.steps)
+
+    def _validate_health(self) -> None:
+        if self.on_spike not in SPIKE_ACTIONS:
+            raise ValueError(f"on_spike={self.on_spike!r}; valid: {', '.join(SPIKE_ACTIONS)}")
+        if self.on_spike == "rollback" and self.ckpt_dir is None:
+            raise ValueError("on_spike='rollback' needs ckpt_dir (--ckpt-dir DIR): it rolls back to the newest "
+                             "checkpoint")
+        SpikeDetector(factor=self.spike_factor)
+        vf = self.val_fraction  # checked even without val_every: a value that could never work is a typo now
+        if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 < vf < 1:
+            raise ValueError(f"val_fraction must be a number in (0, 1) (the share of the corpus's windows held out "
+                             f"for validation, e.g. 0.1), got {vf!r}")
+        if self.val_every is None:
+            return
+        positive_int("val_every", self.val_every)
+        if self.pp > 1:
+            raise ValueError("val_every with pp > 1 is not supported yet: validation runs a plain forward, and a "
+                             "pipeline's forward needs its schedule; leave --val-every out")
+        total = (corpus_tokens(self.data) - 1) // self.gpt_config().seq_len
+        split = split_windows(total, self.val_fraction)
+        if split.train < self.batch_size:
+            raise ValueError(f"holding out val_fraction={self.val_fraction} leaves {split.train} training windows, "
+                             f"fewer than batch_size={self.batch_size}; use a smaller val_fraction or batch")
+
+    def _validate_checkpointing(self) -> None:
+        """Checkpoint flags, the directory, and (``resume``) the checkpoint to resume from, before any rank starts."""
+        if self.ckpt_dir is None:
+            for name in ("ckpt_every", "keep", "async_ckpt"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs ckpt_dir (--ckpt-dir DIR): "
+                                     "the directory checkpoints are written to")
+            if self.resume:
+                raise ValueError("resume needs ckpt_dir (--ckpt-dir DIR): the directory to resume from")
+            return
+        if self.ckpt_every is not None:
+            positive_int("ckpt_every", self.ckpt_every)
+        if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int)
+                                      or self.keep < 1):
+            raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {self.keep!r}")
+        if self.resume:
+            find_resume_point(self)
+        ensure_writable(self.ckpt_dir)
+
+    def _validate_precision(self) -> None:
+        """Precision and reduce dtype named before any rank starts (``workbench.precision``)."""
+        from workbench.parallel.precision import policy_from_names
+
+        policy_from_names(self.precision, self.reduce_dtype)
+        scale = self.init_loss_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1 <= scale < math.inf:
+            raise ValueError(f"init_loss_scale must be a finite number >= 1 (fp16 starts its dynamic loss scale "
+                             f"there; 2**16 is the usual start), got {scale!r}")
+        positive_int("loss_scale_growth_interval", self.loss_scale_growth_interval)
+
+    def _validate_pipeline(self) -> None:
+        """Schedule, micro-batches and stages checked here, before any rank starts."""
+        from workbench.theory.pipeline import validate
+
+        positive_int("microbatches", self.microbatches)
+        positive_int("virtual_stages", self.virtual_stages)
+        if self.pp == 1:
+            if self.schedule != "1f1b" or self.microbatches != 1 or self.virtual_stages != 1:
+                raise ValueError("schedule, microbatches and virtual_stages are pipeline settings: they need pp > 1")
+            return
+        validate(self.schedule, self.pp, self.microbatches, self.virtual_stages, self.gpt_config().n_layer)
+        if self.batch_size % (self.dp * self.microbatches):
+            raise ValueError(f"batch_size={self.batch_size} must divide into dp x microbatches = {self.dp} x "
+                             f"{self.microbatches}; use a multiple of {self.dp * self.microbatches}")
+
+    def _validate_data(self) -> None:
+        """The corpus must hold at least one global batch of windows, checked here rather than in a rank."""
+        if self.data is not None and not Path(self.data).is_file():
+            raise ValueError(f"data file not found: {self.data!r}; pass an existing text file or leave --data out "
+                             f"to use the bundled corpus")
+        n_tokens = corpus_tokens(self.data)
+        seq_len = self.gpt_config().seq_len
+        if n_tokens < 2:  # one window needs its inputs and the next token as a target
+            raise ValueError(f"data file {self.data!r} holds {n_tokens} token(s) (bytes): too few to train on; a "
+                             f"global batch of {self.batch_size} window(s) of seq_len={seq_len} needs at least "
+                             f"{self.batch_size * seq_len + 1}")
+        windows = (n_tokens - 1) // seq_len
+        if windows < self.batch_size:
+            longest = (n_tokens - 1) // self.batch_size
+            raise ValueError(f"seq_len={seq_len} leaves {windows} window(s) of the {n_tokens}-token corpus, fewer "
+                             f"than batch_size={self.batch_size}; use seq_len <= {longest} or a smaller batch size")
+
+    def section(self, kind: type[S]) -> S:
+        """The view of this config a lower floor receives: ``kind`` (a dataclass) built from the fields of the same
+        name, so a section cannot drift from the flat config by a hand copy. Lists become tuples (sections are
+        frozen or hashed); a field of ``kind`` that the run does not set keeps its default (``betas``)."""
+        mine = {f.name for f in fields(self)}
+        values = {f.name: getattr(self, f.name) for f in fields(kind) if f.name in mine}
+        return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+    def parallel_config(self) -> ParallelConfig:
+        """What ``parallelize`` receives: the strategy, optimizer and precision settings, nothing else of the run."""
+        return self.section(ParallelConfig)
+
+    def combination(self) -> Combination:
+        """The settings the composition rules look at (``theory.composition``)."""
+        return self.section(Combination)
+
+    def gpt_config(self) -> GPTConfig:
+        overrides = {"seq_len": self.seq_len} if self.seq_len else {}
+        return GPTConfig.preset(self.model, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

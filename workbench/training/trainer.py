@@ -1,0 +1,446 @@
+"""The training loop: AdamW, warmup + cosine LR, gradient clipping, accumulation, metrics per step.
+
+One loop for every strategy. ``train_rank(cfg)`` runs on each rank (or alone, for ``nproc=1``): it
+builds the mesh, the seeded model and the sharded data, lets ``parallelize`` apply the strategy from
+outside (the model knows nothing of parallelism), and steps. ``--batch-size`` is the *global* batch, split
+across data-parallel ranks and then into ``grad_accum`` micro-batches, so the loss of every step is the
+loss of the same global batch whatever the strategy, and ``nproc=1`` is the baseline for all of them.
+
+Checkpoints (``ckpt_dir``, ``ckpt_every``, ``keep``, ``resume``; the store is ``workbench.checkpoint``): each rank
+saves what its strategy holds (its model's and optimizer's state dicts, shards included), the step, its RNG
+states and the sampler's position; a resume reloads them on the *same* layout and continues at the next step.
+The data order needs nothing more: ``ShardedSampler.indices(step)`` is a pure function of (seed, step), and the
+LR is ``lr_at(step)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench import trace
+from workbench.checkpoint.resume import FULL_STATE, checkpoint_config, find_resume_point, layout_changes
+from workbench.checkpoint.store import (
+    AsyncCheckpointer,
+    CheckpointError,
+    discard_newer,
+    export_full_state_dict,
+    list_steps,
+    load,
+    read_manifest,
+    rng_state,
+    save,
+    set_rng_state,
+    step_dir,
+    write_atomic,
+)
+from workbench.data import ShardedSampler, make_lm_data
+from workbench.dist import comm
+from workbench.dist.faults import maybe_inject, parse_fault, restart_count
+from workbench.dist.launch import report
+from workbench.dist.mesh import Mesh
+from workbench.models import build_gpt
+from workbench.parallel import parallelize
+from workbench.training.config import RunConfig
+from workbench.training.health import SpikeDetector, check_disjoint, check_split, split_windows
+
+
+def prepare_resharded_resume(cfg: RunConfig) -> str | None:
+    """In the caller, before the ranks start: if ``cfg`` resumes on another layout than its checkpoint was saved
+    with, gather that checkpoint into full tensors once, on CPU ranks of the saved layout (``FULL_STATE``
+    beside the shards, written atomically). Returns a line saying what changes, or None for the same layout."""
+    path = find_resume_point(cfg)
+    saved = read_manifest(path)["meta"]["run_config"]
+    changes = layout_changes(cfg, saved)
+    if not changes:
+        return None
+    if not (path / FULL_STATE).is_file():
+        from workbench.dist.launch import launch
+
+        keep = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
+        source = RunConfig(**{**keep, "device": "cpu", "backend": None, "port": 0, "ckpt_dir": None,
+                              "ckpt_every": None, "keep": None, "resume": False, "async_ckpt": False, "export": None,
+                              "max_restarts": 0, "inject_fault": None, "extra": {}})
+        launch(_consolidate_rank, source.nproc, source, str(path), device="cpu", timeout=source.timeout)
+    return f"resharding {path.name} ({'; '.join(changes)})"
+
+
+def _consolidate_rank(cfg: RunConfig, path: str) -> None:
+    """One rank of the saved layout: load its shard, gather the full state; rank 0 writes it."""
+    from workbench.checkpoint.reshard import full_training_state
+
+    trainer = Trainer(cfg)
+    state = load(path, map_location=trainer.device)
+    trainer.strategy.model.load_state_dict(state["model"])
+    trainer.strategy.optimizer.load_state_dict(state["optim"])
+    full = full_training_state(trainer.strategy)
+    if comm.group_rank() == 0:
+        extra = {k: state[k] for k in ("step", "sampler", "rng", "scaler") if k in state}
+        write_atomic(Path(path) / FULL_STATE, {**full, **extra})
+
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup - 1)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def params_sha256(named_params: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over (name, fp32 little-endian bytes) of every parameter, names sorted."""
+    digest = hashlib.sha256()
+    for name in sorted(named_params):
+        digest.update(name.encode())
+        digest.update(named_params[name].detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _read_scalars(*values: torch.Tensor | float) -> list[float]:
+    """The step's scalar metrics as floats, read in ONE device-to-host copy, after the optimizer's kernels are
+    queued: the step's only host-device sync (the loss and grad norm stay on the device until here; reading the
+    norm before ``optimizer.step()`` made the host wait for the backward, and the GPU then wait for the host)."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.detach().reshape(()).double() for t in tensors]).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
+
+
+_NOTHING_SAVED = -2  # rank 0's answer to a restart that finds no checkpoint: start from step 0
+
+
+class Trainer:
+    """Steps a parallelized model on the sharded global batch; records spans, metrics and memory."""
+
+    def __init__(self, cfg: RunConfig, mesh: Mesh | None = None) -> None:
+        self.cfg = cfg
+        self.mesh = mesh or Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+        self.device = self.mesh.device
+        model_cfg = cfg.gpt_config()
+        self.dataset = make_lm_data(model_cfg.seq_len, cfg.data)  # host memory; each batch moves to the device
+        self.split = split_windows(len(self.dataset), cfg.val_fraction) if cfg.val_every else None
+        if self.split is not None:
+            check_split(self.split, model_cfg.seq_len)
+        train_windows = len(self.dataset) if self.split is None else self.split.train
+        self.data_skip = 0  # batches skipped by spike rollbacks: step s trains on batch s + data_skip
+        self.checkpointer: AsyncCheckpointer | None = None  # --async-ckpt's writer, made at the first save
+        self.checkpoint_stalls: list[dict[str, float]] = []  # how long each save held the training loop
+        self.sampler = ShardedSampler(train_windows, cfg.batch_size, self.mesh.dp_rank, self.mesh.dp_size,
+                                      seed=cfg.seed)
+        model = build_gpt(model_cfg, seed=cfg.seed, device=self.device)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.parallel_config = cfg.parallel_config()
+        self.strategy = parallelize(model, self.mesh, self.parallel_config)
+        self.step_index = 0
+        self._memory_probed = False  # see step(): memory is probed on the first step and on traced steps
+        self.tokens_per_step = cfg.batch_size * model_cfg.seq_len
+
+    def step(self) -> dict[str, Any]:
+        cfg, s = self.cfg, self.strategy
+        tracer = trace.current()
+        trace.set_step(self.step_index)
+        if tracer is not None:
+            tracer.enabled = self.step_index >= cfg.steps - cfg.trace_steps
+            # Memory is measured on traced steps and on this attempt's first (so ledger peaks, which a live
+            # dashboard streams, hold from the start); other steps carry no probe and no NVML query.
+            tracer.probe_memory = tracer.enabled or not self._memory_probed
+            self._memory_probed = True
+        t0 = time.time()
+        lr = lr_at(self.step_index, cfg)
+        for group in s.optimizer.param_groups:
+            group["lr"] = lr
+        with trace.span("data", "data"):  # the input pipeline's share of the step (a starved GPU waits here)
+            x, y = self.dataset.get(self.sampler.indices(self.step_index + self.data_skip), device=self.device)
+        data_wait = time.time() - t0
+        # The last step's gradients are dropped here, at the top of the step as a plain loop does, not at its end:
+        # freed at the end, the host allocator gave their pages back and backward faulted them in afresh (12 % of
+        # a CPU step of the bench GPT, measured beside the plain loop: bench_trainer_step).
+        s.optimizer.zero_grad(set_to_none=True)
+        local_loss = s.forward_backward(x, y)  # the strategy owns its micro-batches (accumulation or a pipeline)
+        with trace.span("grad sync wait", "wait"):
+            s.finish_grad_sync()
+        with trace.span("optimizer", "optimizer"):  # fp16: unscale, agree on inf/NaN, then step or skip
+            stepped = s.optimizer_step(cfg.clip if cfg.clip is not None else math.inf)
+        if tracer is not None and tracer.probe_memory:  # untraced (no tracer): nothing would record them
+            s.record_memory()  # gradients and optimizer state are both alive here
+            trace.record_device_memory(self.device, batch_bytes=x.nbytes + y.nbytes)
+        loss = local_loss.clone()
+        comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="metrics")
+        loss_value, grad_norm = _read_scalars(loss, stepped["grad_norm"])
+        elapsed = time.time() - t0
+        metrics = {"step": self.step_index, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                   "step_time_s": elapsed, "data_wait_s": data_wait, "tokens_per_s": self.tokens_per_step / elapsed,
+                   "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"]}
+        if tracer is not None:
+            tracer.record_metrics(metrics)
+        self.step_index += 1
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    def checkpoint_due(self) -> bool:
+        """After every ``ckpt_every``-th step and after the last (so a finished run can be extended)."""
+        cfg = self.cfg
+        every = cfg.ckpt_every or cfg.steps
+        return cfg.ckpt_dir is not None and (self.step_index % every == 0 or self.step_index == cfg.steps)
+
+    def save_checkpoint(self) -> int:
+        """Every rank saves the state its strategy holds after the step just taken; returns that step's index."""
+        s, step = self.strategy, self.step_index - 1
+        state = {"model": s.model.state_dict(), "optim": s.optimizer.state_dict(), "step": step,
+                 "rng": rng_state(), "sampler": {**self.sampler.state_dict(), "step": self.step_index,
+                                                 "data_skip": self.data_skip}}
+        if s.scaler is not None:
+            state["scaler"] = s.scaler.state_dict()
+        meta = {"run_config": checkpoint_config(self.cfg), "strategy": s.describe}
+        t0 = time.perf_counter()
+        with trace.span(f"checkpoint step {step}", "other"):
+            if self.cfg.async_ckpt:  # snapshot to CPU here, write in a background thread (checkpoint.AsyncCheckpointer)
+                if self.checkpointer is None:
+                    self.checkpointer = AsyncCheckpointer(self.cfg.ckpt_dir, keep=self.cfg.keep)
+                self.checkpointer.save(step, state, meta=meta)
+            else:
+                save(self.cfg.ckpt_dir, step, state, meta=meta, keep=self.cfg.keep)
+        self.checkpoint_stalls.append({"step": step, "stall_s": time.perf_counter() - t0})
+        return step
+
+    def finish_checkpoints(self) -> None:
+        """Wait for an async save in flight (its errors surface here) and stop its writer thread."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
+
+    def resume(self, after_restart: bool = False) -> tuple[int | None, list[str]]:
+        """Load the newest good checkpoint; the next ``step()`` is the one after it. Returns (its step, warnings).
+
+        ``after_restart``: this attempt follows a failure (``faults.restart_count() > 0``); with no checkpoint
+        written yet it starts from step 0 (returns ``(None, [])``), as the seeded run it replaces did.
+
+        Rank 0 alone picks the checkpoint and broadcasts its step: ``latest_good`` hashes every shard, and ranks
+        picking on their own could disagree (a file changing between their reads) and load different steps.
+        Rank 0 also removes newer, unusable checkpoints (``discard_newer``) before any rank saves again."""
+        cfg = self.cfg
+        step, problem, skipped = -1, "", []
+        if comm.group_rank() == 0:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    if after_restart and not list_steps(cfg.ckpt_dir):
+                        step = _NOTHING_SAVED
+                    else:
+                        step = read_manifest(find_resume_point(cfg, finished_ok=after_restart))["step"]
+                        discard_newer(cfg.ckpt_dir, step)
+                except ValueError as e:
+                    problem = str(e)
+            skipped = [str(w.message) for w in caught]
+        step = self._broadcast_step(step)
+        if step == _NOTHING_SAVED:
+            return None, skipped
+        if step < 0:
+            raise ValueError(problem or "rank 0 found no checkpoint to resume from (its error says why)")
+        folder = step_dir(cfg.ckpt_dir, step)
+        if layout_changes(cfg, read_manifest(folder)["meta"]["run_config"]):
+            self._load_resharded(folder)
+            return step, skipped
+        state = load(folder, map_location=self.device)
+        if state["step"] != step:
+            raise CheckpointError(f"{step_dir(cfg.ckpt_dir, step)} holds step {state['step']}, not {step}")
+        self.strategy.model.load_state_dict(state["model"])
+        self.strategy.optimizer.load_state_dict(state["optim"])
+        self._restore_progress(state)
+        return step, skipped
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
+        """What a checkpoint holds besides the model and optimizer: the sampler's position and the batches rollbacks
+        skipped, fp16's loss scaler, the RNG states; the next ``step()`` is the one after the checkpoint's."""
+        self.sampler.load_state_dict(state["sampler"])  # refuses another seed or global batch
+        self.data_skip = int(state["sampler"].get("data_skip", 0))
+        if self.strategy.scaler is not None and state.get("scaler"):  # absent: saved in fp32/bf16, start afresh
+            self.strategy.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"])
+        self.step_index = int(state["step"]) + 1
+
+    def _load_resharded(self, folder: Path) -> None:
+        """Another layout saved this checkpoint: load its full state (``prepare_resharded_resume`` wrote it) and
+        shard it this layout's way. The RNG state is rank 0's on every rank: per-rank streams of another world
+        size have no counterpart here (the tiny GPT's dropout is off, so training does not draw from them)."""
+        from workbench.checkpoint.reshard import load_full_training_state
+
+        file = folder / FULL_STATE
+        if not file.is_file():
+            raise CheckpointError(f"{folder} was saved on another layout and has no {FULL_STATE}; resume through "
+                                  f"workbench run / run_training, which writes it before the ranks start")
+        full = torch.load(file, map_location="cpu", weights_only=True)
+        load_full_training_state(self.strategy, full, self._shard_like_params)
+        self._restore_progress(full)
+
+    def _shard_like_params(self, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """This layout's strategy built on a model whose parameters are ``values``: what its optimizer's tensors
+        hold is each value's shard (``reshard.load_full_training_state``). Traced into a throwaway tracer."""
+        from workbench.checkpoint.reshard import optimizer_slots
+
+        model = build_gpt(self.cfg.gpt_config(), seed=self.cfg.seed, device=self.device)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(values[name])
+        with trace.tracing(rank=comm.group_rank(), world_size=comm.group_size()):
+            strategy = parallelize(model, self.mesh, self.parallel_config)
+        return [s.detach().clone() for s in optimizer_slots(strategy.optimizer)]
+
+    # -- health -------------------------------------------------------------------------------------------
+
+    def validation_loss(self) -> float:
+        """Mean loss over the first global batch of held-out windows, sharded over dp like a training batch."""
+        assert self.split is not None, "validation_loss needs val_every (a held-out split)"
+        windows = list(self.split.val_windows)[: self.cfg.batch_size]
+        per_rank = -(-len(windows) // self.mesh.dp_size)
+        mine = windows[self.mesh.dp_rank * per_rank:(self.mesh.dp_rank + 1) * per_rank] or windows[:1]
+        x, y = self.dataset.get(mine, device=self.device)
+        with torch.no_grad(), trace.span("validation", "other"):
+            loss = self.strategy.model(x, y).detach().reshape(1).float()
+        comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="health")
+        return float(loss.item())
+
+    def check_data_shards(self) -> None:
+        """Gather the windows every data-parallel rank drew for the step just taken; ``ValueError`` on overlap."""
+        mine = self.sampler.indices(self.step_index - 1 + self.data_skip)
+        drawn = comm.all_gather_object(mine, group=self.mesh.dp_group) if comm.is_distributed() else [mine]
+        check_disjoint(drawn, self.step_index - 1)
+
+    def poison_parameters(self) -> None:
+        """Fill this rank's first parameter with NaN (the ``nan:`` fault): a corrupted weight, as after a bad
+        update or a flipped bit, which the gradient all-reduce then spreads to every rank."""
+        with torch.no_grad():
+            next(p for p in self.strategy.model.parameters() if p.requires_grad).fill_(float("nan"))
+
+    def roll_back(self, bad_step: int) -> int:
+        """Reload the newest checkpoint and skip the batches from there to ``bad_step`` (PaLM's remedy for a
+        spike, Chowdhery et al. 2022 §5.1); returns the step rolled back to."""
+        self.finish_checkpoints()  # the newest checkpoint may still be being written
+        step, _ = self.resume()  # without after_restart it finds a checkpoint or raises
+        self.data_skip += bad_step - step
+        return step
+
+    def _broadcast_step(self, step: int) -> int:
+        if not comm.is_distributed():
+            return step
+        t = torch.tensor([step], dtype=torch.int64, device=self.device)
+        comm.broadcast(t, src=0, tag="checkpoint")
+        return int(t.item())
+
+
+def train_rank(cfg: RunConfig) -> dict[str, Any]:
+    """Run ``cfg.steps`` steps on this rank; rank 0's result carries the full-parameter hash."""
+    torch.manual_seed(cfg.seed)
+    trainer = Trainer(cfg)
+    restarted = restart_count() > 0 and cfg.ckpt_dir is not None
+    resumed, skipped = trainer.resume(after_restart=restarted) if cfg.resume or restarted else (None, [])
+    fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
+    stop = StopSignal(cfg.extra.get("stop_file"), trainer.device)
+    detector, events, rollbacks = SpikeDetector(factor=cfg.spike_factor), [], 0
+    history, written, stopped_after = [], [], None
+    while trainer.step_index < cfg.steps:
+        if maybe_inject(fault, comm.group_rank(), trainer.step_index):
+            trainer.poison_parameters()
+            fault = None  # once: the rolled-back run replays this step index with other batches
+        metrics = trainer.step()
+        if cfg.val_every and (trainer.step_index % cfg.val_every == 0 or trainer.step_index == cfg.steps):
+            trainer.check_data_shards()
+            metrics["val_loss"] = trainer.validation_loss()
+        history.append(metrics)
+        report(_streamed(metrics))
+        problem = detector.check(metrics["loss"], metrics["grad_norm"])
+        if problem is not None:
+            action = _spike_action(cfg, written, rollbacks)
+            events.append({"step": metrics["step"], "problem": problem, "action": action})
+            if comm.group_rank() == 0:  # every rank reaches the same verdict: say it once
+                warnings.warn(f"step {metrics['step']}: {problem}; action: {action}", stacklevel=1)
+            if action == "stop":
+                stopped_after = metrics["step"]
+                break
+            if action == "rollback":
+                back_to = trainer.roll_back(metrics["step"])
+                events[-1]["rolled_back_to_step"] = back_to
+                detector.reset()
+                rollbacks += 1
+                history = [m for m in history if m["step"] <= back_to]
+                continue
+        if trainer.checkpoint_due():
+            written.append(trainer.save_checkpoint())
+        if stop.requested():
+            stopped_after = metrics["step"]
+            if cfg.ckpt_dir is not None and written[-1:] != [stopped_after]:
+                written.append(trainer.save_checkpoint())  # what was trained is kept: a later --resume goes on
+            break
+    trainer.finish_checkpoints()
+    checkpoint = None if cfg.ckpt_dir is None else {
+        "dir": cfg.ckpt_dir, "every": cfg.ckpt_every, "keep": cfg.keep, "written_steps": written,
+        "resumed_from_step": resumed, "skipped_on_resume": skipped, "async": cfg.async_ckpt,
+        "stalls": trainer.checkpoint_stalls}
+    full = trainer.strategy.full_parameters()
+    if cfg.export is not None and comm.group_rank() == 0:
+        export_full_state_dict(build_gpt(cfg.gpt_config(), seed=cfg.seed), full, cfg.export)
+    backend = torch.distributed.get_backend() if comm.is_distributed() else "none"
+    return {"history": history, "n_params": trainer.n_params, "strategy": trainer.strategy.describe,
+            "final_params_sha256": params_sha256(full) if comm.group_rank() == 0 else None,
+            "placement": {"backend": backend, "device": str(trainer.device),
+                          "device_name": _device_name(trainer.device)},
+            "final_params": {k: v.detach().cpu().clone() for k, v in full.items()} if cfg.extra.get("return_params")
+            else None,
+            "checkpoint": checkpoint, "stopped_after_step": stopped_after, "attempt": restart_count(),
+            "health": {"events": events, "data_skip": trainer.data_skip,
+                       "val_split": None if trainer.split is None else {
+                           "train_windows": trainer.split.train, "val_windows": len(trainer.split.val_windows)}}}
+
+
+MAX_ROLLBACKS = 3  # a spike that comes back after this many rollbacks stops the run: it is not transient
+
+
+def _spike_action(cfg: RunConfig, written: list[int], rollbacks: int) -> str:
+    """What to do about an unhealthy step: the configured action, unless a rollback has nothing to go back to
+    (no checkpoint saved in this attempt or before) or has been tried ``MAX_ROLLBACKS`` times: then stop."""
+    if cfg.on_spike != "rollback":
+        return cfg.on_spike
+    has_checkpoint = bool(written) or bool(list_steps(cfg.ckpt_dir))
+    return "rollback" if has_checkpoint and rollbacks < MAX_ROLLBACKS else "stop"
+
+
+class StopSignal:
+    """A Stop button's request, seen by every rank at the same step: rank 0 looks for ``stop_file`` after each
+    step and a MAX all-reduce of one flag tells the others, so all ranks leave the loop together (a rank leaving
+    alone would leave its peers waiting in the next collective). Without a file (no live dashboard): no-op."""
+
+    def __init__(self, stop_file: str | None, device: torch.device) -> None:
+        self.stop_file, self.device = stop_file, device
+
+    def requested(self) -> bool:
+        if self.stop_file is None:
+            return False
+        flag = torch.tensor([1.0 if comm.group_rank() == 0 and Path(self.stop_file).exists() else 0.0],
+                            device=self.device)
+        if comm.is_distributed():
+            comm.all_reduce(flag, op="max", tag="control")
+        return bool(flag.item() > 0)
+
+
+def _streamed(metrics: dict[str, Any]) -> dict[str, Any]:
+    """What a rank streams to the caller after each step (``launch.report``): the step's metrics, this rank's
+    ledger peaks by category and the bytes each collective moved since the last step (for a live dashboard)."""
+    tracer = trace.current()
+    if tracer is None:
+        return metrics
+    return {**metrics, "rank": tracer.trace.rank, "attempt": restart_count(), "memory_peak": dict(tracer.memory.peak),
+            "comm_bytes": tracer.take_comm_totals()}
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
