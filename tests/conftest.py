@@ -13,8 +13,9 @@ os.environ.setdefault("WORKBENCH_DEVICE", "cpu")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped with the reason where no GPU is visible")
-    config.addinivalue_line("markers", "extended: the extended lane (every notebook again, with small overrides); "
-                                       "runs with `-m extended`, as .ci/run does after the README's test command")
+    config.addinivalue_line("markers", "extended: the extended lane (every notebook again, with small overrides, "
+                                       "the browser and the longest end-to-end runs); runs with `-m extended`, as "
+                                       ".ci/run does after the README's test command")
     config.addinivalue_line("markers", "numerics: compares computations that sum in another order (ranks vs one "
                                        "process, shards, collectives); .ci/run runs them again under "
                                        "ATEN_CPU_CAPABILITY=default, the portable instruction set")

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.browser
+# End to end in a real browser (about 4 minutes on 2 cores): the extended lane, beside the notebooks under papermill.
+pytestmark = [pytest.mark.browser, pytest.mark.extended]
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")

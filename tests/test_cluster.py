@@ -73,6 +73,7 @@ def _stop(agents: list[subprocess.Popen], marker: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.extended  # two torchrun agents end to end (about a minute); the rendezvous and scripts are tested above
 @pytest.mark.timeout(240)
 def test_two_torchrun_nodes_train_what_four_launched_ranks_train(tmp_path: Path) -> None:
     """2 agents x 2 ranks over a c10d rendezvous on 127.0.0.1 = ``--nproc 4``: same losses bit for bit, same

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from workbench.checkpoint.manager import CheckpointSettings
 from workbench.parallel import ParallelConfig
 from workbench.theory.composition import Combination
 from workbench.training.config import RunConfig
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_SET_BY_A_RUN = {ParallelConfig: {"betas"}}  # AdamW's betas: the run keeps the section's default
 
 
-@pytest.mark.parametrize("kind", [ParallelConfig, Combination])
+@pytest.mark.parametrize("kind", [ParallelConfig, Combination, CheckpointSettings])
 def test_a_section_takes_every_field_it_shares_with_the_run_by_name(kind: type) -> None:
     run = {f.name for f in dataclasses.fields(RunConfig)}
     missing = {f.name for f in dataclasses.fields(kind)} - run - NOT_SET_BY_A_RUN.get(kind, set())

@@ -255,6 +255,7 @@ def test_wait_with_a_bad_timeout() -> None:
     shutil.rmtree(run.stop_file.parent)  # never started, so never cleaned up by its run
 
 
+@pytest.mark.extended  # a real kernel end to end (about 40 s); LiveRun's stop file is tested above without one
 def test_a_kernel_hears_the_stop_click_while_the_ranks_train(tmp_path: Path) -> None:
     """A real kernel driven as JupyterLab drives it: the execute request carries a cellId (so the dashboard goes
     live), the cell returns while the ranks train, and a click sent through the Stop button's comm ends the run."""

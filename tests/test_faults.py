@@ -133,6 +133,7 @@ def test_cli_bad_fault_spec_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     assert "names rank 9" in capsys.readouterr().err
 
 
+@pytest.mark.extended  # torchrun's own restarts end to end (about a minute); launch's restarts are tested above
 def test_torchrun_max_restarts_resumes_too(unbroken: dict, tmp_path: Path) -> None:
     """torchrun's elastic agent restarts every worker after rank 1's SIGKILL; each sees TORCHELASTIC_RESTART_COUNT
     and resumes from the newest checkpoint, ending with the unbroken run's parameters."""

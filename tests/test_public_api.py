@@ -218,9 +218,8 @@ def test_every_alias_module_is_listed() -> None:
 
 
 def test_the_package_launch_stays_the_function_after_the_old_module_path_is_imported() -> None:
-    import workbench.launch  # noqa: F401  (the old module path, as a notebook written before issue 19 imports it)
-
     import workbench
+    import workbench.launch  # noqa: F401  (the old module path, as a notebook written before issue 19 imports it)
 
     assert callable(workbench.launch) and not isinstance(workbench.launch, types.ModuleType)
     assert importlib.import_module("workbench.launch") is importlib.import_module("workbench.dist.launch")

@@ -1,6 +1,6 @@
 """One run, start to end: what ``workbench run``, a notebook's ``run_training``, the live dashboard and torchrun
 all call. It prepares a resume (resharding a checkpoint saved on another layout), launches the ranks
-(``train.train_rank`` on each), collects their results and restarts, summarizes them (``summary.json``'s
+(``training.trainer.train_rank`` on each), collects their results and restarts, summarizes them (``summary.json``'s
 shape) and writes ``summary.json``, ``traces.json`` and ``report.html``. ``live=True`` trains behind a
 ``widgets.dashboard.Dashboard``, which only draws what the ranks stream: this module owns the run, its
 thread and its Stop file (``LiveRun``).
@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the dashboard (ipywidgets, plotly) is imported only by a live run: the CLI starts without it
+    from workbench.training.config import RunConfig  # and torch only once a run starts: `workbench --help` is quick
     from workbench.widgets.dashboard import Dashboard
 
 
-def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True, live: bool = False,
+def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool = True, live: bool = False,
                  on_metrics: Callable[[int, dict[str, Any]], None] | None = None) -> Any:
     """Launch ``cfg.nproc`` ranks, train, and (with ``out``) write summary.json and report.html.
 
@@ -76,7 +77,7 @@ def run_training(cfg: Any, out: str | Path | None = None, progress: bool = True,
     return summary
 
 
-def prepare_resume(cfg: Any) -> None:
+def prepare_resume(cfg: RunConfig) -> None:
     """A resume on another layout gathers the checkpoint into full tensors first (``train.prepare_resharded_resume``,
     which launches the saved layout's ranks on the CPU): not from inside torchrun, whose processes are the ranks."""
     from workbench.checkpoint.resume import find_resume_point, layout_changes
@@ -116,7 +117,7 @@ def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if k not in ("rank", "memory_peak", "comm_bytes", "attempt")}
 
 
-def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
+def summarize(cfg: RunConfig, rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
     history = rank0["history"]
     steady = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
     return {
@@ -139,7 +140,7 @@ def summarize(cfg: Any, rank0: dict[str, Any], traces: list[Any]) -> dict[str, A
     }
 
 
-def _recorded_config(cfg: Any) -> dict[str, Any]:
+def _recorded_config(cfg: RunConfig) -> dict[str, Any]:
     """The config as summary.json records it: without the live dashboard's temporary stop file."""
     config = cfg.to_dict()
     config["extra"] = {k: v for k, v in config.get("extra", {}).items() if k != "stop_file"}
@@ -157,7 +158,7 @@ def _health_summary(rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
     return health
 
 
-def _mesh(cfg: Any) -> dict[str, int]:
+def _mesh(cfg: RunConfig) -> dict[str, int]:
     """The run's mesh axes (context parallelism is not a run flag yet: cp is always 1)."""
     return {"pp": cfg.pp, "dp": cfg.dp, "cp": getattr(cfg, "cp", 1), "tp": cfg.tp}
 
@@ -177,7 +178,7 @@ def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
     return [{"ranks": list(ranks), "axis": axis} for ranks, axis in labels.items()]
 
 
-def _pipeline_summary(cfg: Any, traces: list[Any]) -> dict[str, Any]:
+def _pipeline_summary(cfg: RunConfig, traces: list[Any]) -> dict[str, Any]:
     """Schedule, theory's bubble beside the measured one (median over the traced steps) and activation peaks."""
     from workbench.dist.mesh import MeshShape
     from workbench.parallel.pipeline import busy_intervals, measured_bubble
@@ -225,7 +226,7 @@ class LiveRun:
     removed with its folder when the run ends.
     """
 
-    def __init__(self, cfg: Any, out: str | Path | None, dashboard: Dashboard) -> None:
+    def __init__(self, cfg: RunConfig, out: str | Path | None, dashboard: Dashboard) -> None:
         self._stop_dir = Path(tempfile.mkdtemp(prefix="workbench-stop-"))
         self.stop_file = self._stop_dir / "stop"
         self.cfg = dataclasses.replace(cfg, extra={**cfg.extra, "stop_file": str(self.stop_file)})
@@ -305,7 +306,7 @@ class LiveRun:
         return f"LiveRun({state}, step {self.dashboard.last_step + 1} of {self.cfg.steps})"
 
 
-def run_live(cfg: Any, out: str | Path | None = None, front_end: bool | None = None,
+def run_live(cfg: RunConfig, out: str | Path | None = None, front_end: bool | None = None,
              min_interval_s: float = 0.25) -> LiveRun:
     """Train ``cfg`` with a live dashboard; returns a ``LiveRun`` (see the module docstring).
 

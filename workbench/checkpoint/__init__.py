@@ -1,6 +1,7 @@
 """Checkpoints, in one place: ``store`` (atomic, verified, sharded saves and loads: the names below),
 ``reshard`` (gather a strategy's shards into full tensors and shard them another way), ``resume`` (which
-fields a resume must keep, which it may change, and finding the checkpoint to resume from).
+fields a resume must keep, which it may change, and finding the checkpoint to resume from), ``manager`` (the
+``CheckpointManager`` a ``Trainer`` calls: when a save is due, what a save holds, and putting it back on resume).
 
 ``workbench.checkpoint.save`` and the rest of the store's names stay importable from here, as before issue 19.
 """

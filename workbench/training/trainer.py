@@ -6,11 +6,12 @@ outside (the model knows nothing of parallelism), and steps. ``--batch-size`` is
 across data-parallel ranks and then into ``grad_accum`` micro-batches, so the loss of every step is the
 loss of the same global batch whatever the strategy, and ``nproc=1`` is the baseline for all of them.
 
-Checkpoints (``ckpt_dir``, ``ckpt_every``, ``keep``, ``resume``; the store is ``workbench.checkpoint``): each rank
-saves what its strategy holds (its model's and optimizer's state dicts, shards included), the step, its RNG
-states and the sampler's position; a resume reloads them on the *same* layout and continues at the next step.
-The data order needs nothing more: ``ShardedSampler.indices(step)`` is a pure function of (seed, step), and the
-LR is ``lr_at(step)``.
+Checkpoints (``ckpt_dir``, ``ckpt_every``, ``keep``, ``async_ckpt``, ``resume``): the ``Trainer`` hands them to a
+``workbench.checkpoint.manager.CheckpointManager`` (``trainer.checkpoints``), which saves what each rank's strategy
+holds (its model's and optimizer's state dicts, shards included), the step, its RNG states and the sampler's
+position; a resume reloads them and continues at the next step (on another layout through the full state that
+``prepare_resharded_resume``, here, gathers first). The data order needs nothing more:
+``ShardedSampler.indices(step)`` is a pure function of (seed, step), and the LR is ``lr_at(step)``.
 """
 
 from __future__ import annotations
@@ -19,27 +20,16 @@ import hashlib
 import math
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from workbench import trace
-from workbench.checkpoint.resume import FULL_STATE, checkpoint_config, find_resume_point, layout_changes
-from workbench.checkpoint.store import (
-    AsyncCheckpointer,
-    CheckpointError,
-    discard_newer,
-    export_full_state_dict,
-    list_steps,
-    load,
-    read_manifest,
-    rng_state,
-    save,
-    set_rng_state,
-    step_dir,
-    write_atomic,
-)
+from workbench.checkpoint.manager import CheckpointManager, CheckpointSettings
+from workbench.checkpoint.resume import FULL_STATE, find_resume_point, layout_changes
+from workbench.checkpoint.store import export_full_state_dict, list_steps, load, read_manifest, write_atomic
 from workbench.data import ShardedSampler, make_lm_data
 from workbench.dist import comm
 from workbench.dist.faults import maybe_inject, parse_fault, restart_count
@@ -115,9 +105,6 @@ def _read_scalars(*values: torch.Tensor | float) -> list[float]:
     return [next(read) if torch.is_tensor(v) else float(v) for v in values]
 
 
-_NOTHING_SAVED = -2  # rank 0's answer to a restart that finds no checkpoint: start from step 0
-
-
 class Trainer:
     """Steps a parallelized model on the sharded global batch; records spans, metrics and memory."""
 
@@ -132,8 +119,6 @@ class Trainer:
             check_split(self.split, model_cfg.seq_len)
         train_windows = len(self.dataset) if self.split is None else self.split.train
         self.data_skip = 0  # batches skipped by spike rollbacks: step s trains on batch s + data_skip
-        self.checkpointer: AsyncCheckpointer | None = None  # --async-ckpt's writer, made at the first save
-        self.checkpoint_stalls: list[dict[str, float]] = []  # how long each save held the training loop
         self.sampler = ShardedSampler(train_windows, cfg.batch_size, self.mesh.dp_rank, self.mesh.dp_size,
                                       seed=cfg.seed)
         model = build_gpt(model_cfg, seed=cfg.seed, device=self.device)
@@ -141,6 +126,8 @@ class Trainer:
         self.parallel_config = cfg.parallel_config()
         self.strategy = parallelize(model, self.mesh, self.parallel_config)
         self.step_index = 0
+        self.checkpoints = CheckpointManager(cfg.section(CheckpointSettings), cfg, self.strategy, self.sampler,
+                                             self.device, self._shard_like_params)
         self._memory_probed = False  # see step(): memory is probed on the first step and on traced steps
         self.tokens_per_step = cfg.batch_size * model_cfg.seq_len
 
@@ -185,107 +172,32 @@ class Trainer:
         self.step_index += 1
         return metrics
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
+    # -- checkpoints (workbench.checkpoint.manager does the work) -------------------------------------------------
+    # These delegates stay because code outside this module calls them on a Trainer: tests/test_precision_training.py
+    # (resume, checkpoint_due, save_checkpoint) and notebook 10 (save_checkpoint).
 
     def checkpoint_due(self) -> bool:
         """After every ``ckpt_every``-th step and after the last (so a finished run can be extended)."""
-        cfg = self.cfg
-        every = cfg.ckpt_every or cfg.steps
-        return cfg.ckpt_dir is not None and (self.step_index % every == 0 or self.step_index == cfg.steps)
+        return self.checkpoints.due(self.step_index)
 
     def save_checkpoint(self) -> int:
         """Every rank saves the state its strategy holds after the step just taken; returns that step's index."""
-        s, step = self.strategy, self.step_index - 1
-        state = {"model": s.model.state_dict(), "optim": s.optimizer.state_dict(), "step": step,
-                 "rng": rng_state(), "sampler": {**self.sampler.state_dict(), "step": self.step_index,
-                                                 "data_skip": self.data_skip}}
-        if s.scaler is not None:
-            state["scaler"] = s.scaler.state_dict()
-        meta = {"run_config": checkpoint_config(self.cfg), "strategy": s.describe}
-        t0 = time.perf_counter()
-        with trace.span(f"checkpoint step {step}", "other"):
-            if self.cfg.async_ckpt:  # snapshot to CPU here, write in a background thread (checkpoint.AsyncCheckpointer)
-                if self.checkpointer is None:
-                    self.checkpointer = AsyncCheckpointer(self.cfg.ckpt_dir, keep=self.cfg.keep)
-                self.checkpointer.save(step, state, meta=meta)
-            else:
-                save(self.cfg.ckpt_dir, step, state, meta=meta, keep=self.cfg.keep)
-        self.checkpoint_stalls.append({"step": step, "stall_s": time.perf_counter() - t0})
-        return step
-
-    def finish_checkpoints(self) -> None:
-        """Wait for an async save in flight (its errors surface here) and stop its writer thread."""
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-            self.checkpointer = None
+        return self.checkpoints.save(self.step_index, self.data_skip)
 
     def resume(self, after_restart: bool = False) -> tuple[int | None, list[str]]:
         """Load the newest good checkpoint; the next ``step()`` is the one after it. Returns (its step, warnings).
 
-        ``after_restart``: this attempt follows a failure (``faults.restart_count() > 0``); with no checkpoint
-        written yet it starts from step 0 (returns ``(None, [])``), as the seeded run it replaces did.
+        ``after_restart``: this attempt follows a failure; with no checkpoint written yet it starts from step 0
+        (returns ``(None, [])``). See ``CheckpointManager.resume``."""
+        resumed = self.checkpoints.resume(after_restart)
+        if resumed.step is not None:
+            self.step_index, self.data_skip = resumed.next_step, resumed.data_skip
+        return resumed.step, resumed.skipped
 
-        Rank 0 alone picks the checkpoint and broadcasts its step: ``latest_good`` hashes every shard, and ranks
-        picking on their own could disagree (a file changing between their reads) and load different steps.
-        Rank 0 also removes newer, unusable checkpoints (``discard_newer``) before any rank saves again."""
-        cfg = self.cfg
-        step, problem, skipped = -1, "", []
-        if comm.group_rank() == 0:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    if after_restart and not list_steps(cfg.ckpt_dir):
-                        step = _NOTHING_SAVED
-                    else:
-                        step = read_manifest(find_resume_point(cfg, finished_ok=after_restart))["step"]
-                        discard_newer(cfg.ckpt_dir, step)
-                except ValueError as e:
-                    problem = str(e)
-            skipped = [str(w.message) for w in caught]
-        step = self._broadcast_step(step)
-        if step == _NOTHING_SAVED:
-            return None, skipped
-        if step < 0:
-            raise ValueError(problem or "rank 0 found no checkpoint to resume from (its error says why)")
-        folder = step_dir(cfg.ckpt_dir, step)
-        if layout_changes(cfg, read_manifest(folder)["meta"]["run_config"]):
-            self._load_resharded(folder)
-            return step, skipped
-        state = load(folder, map_location=self.device)
-        if state["step"] != step:
-            raise CheckpointError(f"{step_dir(cfg.ckpt_dir, step)} holds step {state['step']}, not {step}")
-        self.strategy.model.load_state_dict(state["model"])
-        self.strategy.optimizer.load_state_dict(state["optim"])
-        self._restore_progress(state)
-        return step, skipped
-
-    def _restore_progress(self, state: dict[str, Any]) -> None:
-        """What a checkpoint holds besides the model and optimizer: the sampler's position and the batches rollbacks
-        skipped, fp16's loss scaler, the RNG states; the next ``step()`` is the one after the checkpoint's."""
-        self.sampler.load_state_dict(state["sampler"])  # refuses another seed or global batch
-        self.data_skip = int(state["sampler"].get("data_skip", 0))
-        if self.strategy.scaler is not None and state.get("scaler"):  # absent: saved in fp32/bf16, start afresh
-            self.strategy.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
-        self.step_index = int(state["step"]) + 1
-
-    def _load_resharded(self, folder: Path) -> None:
-        """Another layout saved this checkpoint: load its full state (``prepare_resharded_resume`` wrote it) and
-        shard it this layout's way. The RNG state is rank 0's on every rank: per-rank streams of another world
-        size have no counterpart here (the tiny GPT's dropout is off, so training does not draw from them)."""
-        from workbench.checkpoint.reshard import load_full_training_state
-
-        file = folder / FULL_STATE
-        if not file.is_file():
-            raise CheckpointError(f"{folder} was saved on another layout and has no {FULL_STATE}; resume through "
-                                  f"workbench run / run_training, which writes it before the ranks start")
-        full = torch.load(file, map_location="cpu", weights_only=True)
-        load_full_training_state(self.strategy, full, self._shard_like_params)
-        self._restore_progress(full)
-
-    def _shard_like_params(self, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def _shard_like_params(self, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """This layout's strategy built on a model whose parameters are ``values``: what its optimizer's tensors
-        hold is each value's shard (``reshard.load_full_training_state``). Traced into a throwaway tracer."""
+        hold is each value's shard (``reshard.load_full_training_state``). Traced into a throwaway tracer.
+        Here, not in the manager: building the model and parallelizing it is the trainer's business."""
         from workbench.checkpoint.reshard import optimizer_slots
 
         model = build_gpt(self.cfg.gpt_config(), seed=self.cfg.seed, device=self.device)
@@ -325,17 +237,10 @@ class Trainer:
     def roll_back(self, bad_step: int) -> int:
         """Reload the newest checkpoint and skip the batches from there to ``bad_step`` (PaLM's remedy for a
         spike, Chowdhery et al. 2022 §5.1); returns the step rolled back to."""
-        self.finish_checkpoints()  # the newest checkpoint may still be being written
+        self.checkpoints.finish()  # the newest checkpoint may still be being written
         step, _ = self.resume()  # without after_restart it finds a checkpoint or raises
         self.data_skip += bad_step - step
         return step
-
-    def _broadcast_step(self, step: int) -> int:
-        if not comm.is_distributed():
-            return step
-        t = torch.tensor([step], dtype=torch.int64, device=self.device)
-        comm.broadcast(t, src=0, tag="checkpoint")
-        return int(t.item())
 
 
 def train_rank(cfg: RunConfig) -> dict[str, Any]:
@@ -381,11 +286,11 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
             if cfg.ckpt_dir is not None and written[-1:] != [stopped_after]:
                 written.append(trainer.save_checkpoint())  # what was trained is kept: a later --resume goes on
             break
-    trainer.finish_checkpoints()
+    trainer.checkpoints.finish()
     checkpoint = None if cfg.ckpt_dir is None else {
         "dir": cfg.ckpt_dir, "every": cfg.ckpt_every, "keep": cfg.keep, "written_steps": written,
         "resumed_from_step": resumed, "skipped_on_resume": skipped, "async": cfg.async_ckpt,
-        "stalls": trainer.checkpoint_stalls}
+        "stalls": trainer.checkpoints.stalls}
     full = trainer.strategy.full_parameters()
     if cfg.export is not None and comm.group_rank() == 0:
         export_full_state_dict(build_gpt(cfg.gpt_config(), seed=cfg.seed), full, cfg.export)
