@@ -11,6 +11,8 @@ import pytest
 
 from workbench.cli import run_training
 from workbench.health import (
+    MAX_ROLLBACKS,
+    HealthMonitor,
     SpikeDetector,
     Split,
     check_disjoint,
@@ -24,6 +26,38 @@ from workbench.train import RunConfig
 pytestmark = pytest.mark.timeout(300)
 
 SMALL = dict(nproc=2, batch_size=8, seq_len=32, steps=6)
+
+
+def _steps(monitor: HealthMonitor, losses: list[float], has_checkpoint) -> list:
+    return [monitor.verdict({"step": i, "loss": loss, "grad_norm": 1.0}, has_checkpoint)
+            for i, loss in enumerate(losses)]
+
+
+def test_monitor_returns_the_configured_action_and_records_it() -> None:
+    asked = []
+    for action in ("warn", "stop"):
+        monitor = HealthMonitor(on_spike=action)
+        verdicts = _steps(monitor, [1.0] * 6 + [math.nan], lambda: asked.append(1) or True)
+        assert verdicts[:6] == [None] * 6 and verdicts[6] == ("loss is nan", action)
+        assert monitor.events == [{"step": 6, "problem": "loss is nan", "action": action}]
+    assert not asked, "the checkpoint folder is read only when a rollback is due"
+
+
+def test_monitor_rolls_back_while_it_can_then_stops() -> None:
+    monitor = HealthMonitor(on_spike="rollback")
+    assert _steps(monitor, [math.inf], lambda: False) == [("loss is inf", "stop")]  # nothing to go back to
+    monitor = HealthMonitor(on_spike="rollback")
+    for attempt in range(MAX_ROLLBACKS):
+        assert _steps(monitor, [math.nan], lambda: True) == [("loss is nan", "rollback")]
+        monitor.rolled_back(to_step=attempt)
+        assert monitor.events[-1]["rolled_back_to_step"] == attempt and len(monitor.detector.recent) == 0
+    assert _steps(monitor, [math.nan], lambda: True) == [("loss is nan", "stop")]  # it keeps coming back
+    assert monitor.rollbacks == MAX_ROLLBACKS
+
+
+def test_monitor_refuses_an_unknown_action() -> None:
+    with pytest.raises(ValueError, match="on_spike='retry'; valid: warn, rollback, stop"):
+        HealthMonitor(on_spike="retry")
 
 
 def test_detector_flags_nan_inf_and_spikes_but_not_ordinary_noise() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,3 +125,45 @@ class SpikeDetector:
 
     def reset(self) -> None:
         self.recent.clear()
+
+
+MAX_ROLLBACKS = 3  # a spike that comes back after this many rollbacks stops the run: it is not transient
+
+
+@dataclass
+class HealthMonitor:
+    """The run's policy on an unhealthy step (``--on-spike``), and the record of what it did.
+
+    ``verdict`` checks a step's metrics with a ``SpikeDetector`` and returns None (healthy) or the action: the
+    configured one, except that a rollback with no checkpoint to go back to, or after ``MAX_ROLLBACKS`` tries,
+    becomes a stop (PaLM rolls back and skips batches, Chowdhery et al. 2022 §5.1; a spike that keeps coming back
+    is not transient). ``events`` is what summary.json reports under ``health``.
+    """
+
+    on_spike: str = "warn"
+    factor: float = 3.0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    rollbacks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.on_spike not in SPIKE_ACTIONS:
+            raise ValueError(f"on_spike={self.on_spike!r}; valid: {', '.join(SPIKE_ACTIONS)}")
+        self.detector = SpikeDetector(factor=self.factor)
+
+    def verdict(self, metrics: dict[str, Any], has_checkpoint: Callable[[], bool]) -> tuple[str, str] | None:
+        """(problem, action) for an unhealthy step, recorded in ``events``; None for a healthy one.
+        ``has_checkpoint`` is asked only when a rollback is due (it may read the checkpoint folder)."""
+        problem = self.detector.check(metrics["loss"], metrics["grad_norm"])
+        if problem is None:
+            return None
+        action = self.on_spike
+        if action == "rollback" and not (self.rollbacks < MAX_ROLLBACKS and has_checkpoint()):
+            action = "stop"
+        self.events.append({"step": metrics["step"], "problem": problem, "action": action})
+        return problem, action
+
+    def rolled_back(self, to_step: int) -> None:
+        """The rollback was done: the history restarts from ``to_step``'s checkpoint."""
+        self.events[-1]["rolled_back_to_step"] = to_step
+        self.detector.reset()
+        self.rollbacks += 1

@@ -38,7 +38,7 @@ from workbench.dist.mesh import Mesh
 from workbench.models import build_gpt
 from workbench.parallel import parallelize
 from workbench.training.config import RunConfig
-from workbench.training.health import SpikeDetector, check_disjoint, check_split, split_windows
+from workbench.training.health import HealthMonitor, check_disjoint, check_split, split_windows
 
 
 def prepare_resharded_resume(cfg: RunConfig) -> str | None:
@@ -251,7 +251,7 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
     resumed, skipped = trainer.resume(after_restart=restarted) if cfg.resume or restarted else (None, [])
     fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
     stop = StopSignal(cfg.extra.get("stop_file"), trainer.device)
-    detector, events, rollbacks = SpikeDetector(factor=cfg.spike_factor), [], 0
+    health = HealthMonitor(on_spike=cfg.on_spike, factor=cfg.spike_factor)
     history, written, stopped_after = [], [], None
     while trainer.step_index < cfg.steps:
         if maybe_inject(fault, comm.group_rank(), trainer.step_index):
@@ -263,10 +263,9 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
             metrics["val_loss"] = trainer.validation_loss()
         history.append(metrics)
         report(_streamed(metrics))
-        problem = detector.check(metrics["loss"], metrics["grad_norm"])
-        if problem is not None:
-            action = _spike_action(cfg, written, rollbacks)
-            events.append({"step": metrics["step"], "problem": problem, "action": action})
+        verdict = health.verdict(metrics, lambda: bool(written) or bool(list_steps(cfg.ckpt_dir)))
+        if verdict is not None:
+            problem, action = verdict
             if comm.group_rank() == 0:  # every rank reaches the same verdict: say it once
                 warnings.warn(f"step {metrics['step']}: {problem}; action: {action}", stacklevel=1)
             if action == "stop":
@@ -274,9 +273,7 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
                 break
             if action == "rollback":
                 back_to = trainer.roll_back(metrics["step"])
-                events[-1]["rolled_back_to_step"] = back_to
-                detector.reset()
-                rollbacks += 1
+                health.rolled_back(back_to)
                 history = [m for m in history if m["step"] <= back_to]
                 continue
         if trainer.checkpoint_due():
@@ -302,21 +299,9 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
             "final_params": {k: v.detach().cpu().clone() for k, v in full.items()} if cfg.extra.get("return_params")
             else None,
             "checkpoint": checkpoint, "stopped_after_step": stopped_after, "attempt": restart_count(),
-            "health": {"events": events, "data_skip": trainer.data_skip,
+            "health": {"events": health.events, "data_skip": trainer.data_skip,
                        "val_split": None if trainer.split is None else {
                            "train_windows": trainer.split.train, "val_windows": len(trainer.split.val_windows)}}}
-
-
-MAX_ROLLBACKS = 3  # a spike that comes back after this many rollbacks stops the run: it is not transient
-
-
-def _spike_action(cfg: RunConfig, written: list[int], rollbacks: int) -> str:
-    """What to do about an unhealthy step: the configured action, unless a rollback has nothing to go back to
-    (no checkpoint saved in this attempt or before) or has been tried ``MAX_ROLLBACKS`` times: then stop."""
-    if cfg.on_spike != "rollback":
-        return cfg.on_spike
-    has_checkpoint = bool(written) or bool(list_steps(cfg.ckpt_dir))
-    return "rollback" if has_checkpoint and rollbacks < MAX_ROLLBACKS else "stop"
 
 
 class StopSignal:
