@@ -201,15 +201,14 @@ def _bucket_mb(text: str) -> float | None:
 
 
 def _link(text: str) -> Any:
-    """``GBPS,US``: a link's bandwidth in GB/s and latency in microseconds, e.g. ``50,10``."""
-    from workbench.theory.parallelism import Link
+    """A link flag: a preset (``nvlink``, ``pcie``, ``infiniband``, ``ethernet``) or ``GBPS,US``, e.g. ``50,10``
+    (``theory.topology.parse_link``; its ValueError becomes argparse's one-line error)."""
+    from workbench.theory.topology import parse_link
 
     try:
-        gbps, us = (float(x) for x in text.split(","))
-        return Link(alpha=us * 1e-6, bandwidth=gbps * 1e9, name=f"{gbps:g} GB/s, {us:g} µs")
+        return parse_link(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected BANDWIDTH_GBPS,LATENCY_US such as 50,10, got {text!r} "
-                                         f"({exc})") from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _calc_parser(sub: Any) -> None:
@@ -229,8 +228,22 @@ def _calc_parser(sub: Any) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
     p.add_argument("--device-gb", type=float, default=80.0, help="device memory in GiB, for 'fits'")
     for axis, link in DEFAULT_LINKS.items():
-        p.add_argument(f"--{axis}-link", type=_link, default=None, metavar="GBPS,US",
-                       help=f"{axis} axis bandwidth (GB/s) and latency (µs); default {link.name}")
+        p.add_argument(f"--{axis}-link", type=_link, default=None, metavar="SPEC",
+                       help=f"{axis} axis link: a preset (nvlink, pcie, infiniband, ethernet) or bandwidth (GB/s) "
+                            f"and latency (µs) as GBPS,US; default {link.name}, or the topology's with --nodes")
+    _calc_topology_flags(p)
+
+
+def _calc_topology_flags(p: argparse.ArgumentParser) -> None:
+    """--nodes and the two links of ``theory.topology.Topology``. Their defaults are None so that a calc without
+    them prints what it always did (the per-axis DEFAULT_LINKS); any of them places the ranks on nodes."""
+    p.add_argument("--nodes", type=int, default=None,
+                   help="nodes the ranks are spread over, node-major as torchrun and Slurm place them (default 1 "
+                        "when --intra-link or --inter-link is given); each axis then gets the link its groups cross")
+    p.add_argument("--intra-link", type=_link, default=None, metavar="SPEC",
+                   help="link between ranks of one node (default nvlink)")
+    p.add_argument("--inter-link", type=_link, default=None, metavar="SPEC",
+                   help="link between ranks of different nodes (default infiniband)")
 
 
 def _calc_layout(args: argparse.Namespace) -> Any:
@@ -266,7 +279,7 @@ def _calc(args: argparse.Namespace) -> None:
         raise ValueError(f"seq_len must be a positive int, got {args.seq_len}")
     layout = _calc_layout(args)
     micro = micro_batch_size(args.batch_size, layout.dp, layout.microbatches) if args.batch_size is not None else 0
-    links = {axis: getattr(args, f"{axis}_link") for axis in ("dp", "tp", "pp") if getattr(args, f"{axis}_link")}
+    links, placement = _calc_links(args, layout)
     kwargs = dict(model=args.model, dp=layout.dp, zero_stage=layout.zero_stage, precision=args.precision,
                   optimizer=args.optimizer, offload=layout.offload, seq_len=args.seq_len, recompute=args.recompute,
                   device_gb=args.device_gb, tp=layout.tp, sp=layout.sp, pp=layout.pp, schedule=layout.schedule,
@@ -278,7 +291,30 @@ def _calc(args: argparse.Namespace) -> None:
         print(f"  activations not counted: pass --batch-size (the global batch, as for run); with one sequence\n"
               f"  per micro-batch (--batch-size {layout.dp * layout.microbatches}) the fullest rank holds "
               f"{one['per_rank']['activations'] / 2**30:.2f} GiB of them, {one['total_gib']:.2f} GiB in all")
+    if placement:
+        print(f"topology: {placement}")
     _print_calc_pipeline_and_comm(table, layout)
+
+
+def _calc_links(args: argparse.Namespace, layout: Any) -> tuple[dict[str, Any], str | None]:
+    """The per-axis links calc prices and, with a topology, the line saying where each axis runs.
+
+    Without --nodes/--intra-link/--inter-link: only the explicit --dp/tp/pp-link (the rest are DEFAULT_LINKS, as
+    before topologies). With them: ``axis_links`` of the topology, each explicit --AXIS-link still overriding."""
+    from workbench.theory.topology import LINK_PRESETS, Topology, axis_links, describe_placement, link_label
+
+    explicit = {axis: getattr(args, f"{axis}_link") for axis in ("dp", "tp", "pp") if getattr(args, f"{axis}_link")}
+    if args.nodes is None and args.intra_link is None and args.inter_link is None:
+        return explicit, None
+    topology = Topology.from_nproc(layout.nproc, 1 if args.nodes is None else args.nodes,
+                                   intra=args.intra_link or LINK_PRESETS["nvlink"],
+                                   inter=args.inter_link or LINK_PRESETS["infiniband"])
+    sizes = dict(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    placement = describe_placement(topology, **sizes)
+    overrides = [f"--{axis}-link {link_label(link, detail=True)}" for axis, link in explicit.items()]
+    if overrides:
+        placement += f" (overridden by {', '.join(overrides)})"
+    return {**axis_links(topology, **sizes), **explicit}, placement
 
 
 def _print_calc(args: argparse.Namespace, layout: Any, table: dict[str, Any], micro: int) -> None:

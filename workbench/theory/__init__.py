@@ -7,7 +7,8 @@ Every measured figure in the course is drawn beside a prediction from here:
   the one α-β link type (presets in `parallelism`, fitted by `calibration.fit_ring_allreduce`);
 - `models`: exact GPT parameter counts and named model sizes;
 - `pipeline`: schedules as per-rank action lists, their bubble and in-flight micro-batches;
-- `parallelism`: a (dp, tp, pp) layout's memory per rank, traffic per axis and bubble, from all of the above.
+- `parallelism`: a (dp, tp, pp) layout's memory per rank, traffic per axis and bubble, from all of the above;
+- `topology`: nodes of ranks joined by two links (named presets, `parse_link`), and the link each mesh axis crosses.
 """
 
 from workbench.theory.comm import (
@@ -33,11 +34,12 @@ from workbench.theory.memory import (
 )
 from workbench.theory.models import MODEL_PRESETS, activation_bytes_per_layer, gpt_param_count
 from workbench.theory.parallelism import Layout, analyze_layout, layout_comm, layout_memory
+from workbench.theory.topology import LINK_PRESETS, Topology, axis_links, parse_link
 
 __all__ = [
-    "MODEL_PRESETS", "OPTIMIZERS", "PRECISIONS", "Layout", "Link", "activation_bytes", "activation_bytes_per_layer",
-    "all_gather_time", "analyze_layout", "bus_bandwidth", "bus_bytes", "dp_step_volume", "fit_alpha_beta",
-    "formula", "gpt_param_count", "hierarchical_allreduce_time", "layout_comm", "layout_memory",
-    "model_state_bytes", "offloaded_bytes", "reduce_scatter_time", "ring_allreduce_time", "total_bytes",
-    "tree_allreduce_time",
+    "LINK_PRESETS", "MODEL_PRESETS", "OPTIMIZERS", "PRECISIONS", "Layout", "Link", "Topology", "activation_bytes",
+    "activation_bytes_per_layer", "all_gather_time", "analyze_layout", "axis_links", "bus_bandwidth", "bus_bytes",
+    "dp_step_volume", "fit_alpha_beta", "formula", "gpt_param_count", "hierarchical_allreduce_time", "layout_comm",
+    "layout_memory", "model_state_bytes", "offloaded_bytes", "parse_link", "reduce_scatter_time",
+    "ring_allreduce_time", "total_bytes", "tree_allreduce_time",
 ]
