@@ -167,6 +167,11 @@ def dependency(imp: Import, modules: dict[str, tuple[str, str]]) -> str | None:
     return None
 
 
+# Old paths with no alias file: ``workbench.launch`` is also the package's ``launch()``, so workbench/__init__.py
+# registers the module under that name itself (tests/test_public_api.py checks both).
+REGISTERED_OLD_PATHS = {"workbench.launch": "workbench.dist.launch"}
+
+
 def old_paths(sources: dict[str, tuple[str, str]]) -> dict[str, str]:
     """Alias module -> the module it stands for: a module that ends ``sys.modules[__name__] = m`` after
     ``from <package> import <leaf> as m`` (workbench/train.py and the other paths issue 19 moved)."""
@@ -192,6 +197,9 @@ def breaches(sources: dict[str, tuple[str, str]]) -> list[Breach]:
         for imp in imports_of(text, module, path):
             if _private(imp.name) and imp.module != module:
                 out.append(Breach("c", (module, imp.module, imp.name), path, imp.line))
+            if imp.module in REGISTERED_OLD_PATHS and imp.module not in sources:  # not `from workbench import launch`
+                new = REGISTERED_OLD_PATHS[imp.module]
+                out.append(Breach("d", (module, imp.module, None), path, imp.line, f" (import {new} instead)"))
             dep = dependency(imp, sources)
             if dep is None or dep == module:
                 continue
@@ -351,6 +359,12 @@ def test_checker_resolves_a_submodule_imported_from_its_package() -> None:
                    "workbench/dist/__init__.py": "",
                    "workbench/__init__.py": "from workbench.trace import Trace\n"}) == [
         ("a", ("workbench.trace", "workbench.dist.comm", None), "workbench/trace.py:1")]
+
+
+def test_checker_catches_the_old_launch_path_but_not_the_package_launch_function() -> None:
+    assert _found({"workbench/dist/mesh.py": "from workbench.launch import rank_device\n",
+                   "workbench/viz/x.py": "from workbench import launch\n", "workbench/__init__.py": ""}) == [
+        ("d", ("workbench.dist.mesh", "workbench.launch", None), "workbench/dist/mesh.py:1")]
 
 
 def test_checker_catches_an_import_of_an_old_path_and_judges_it_by_its_new_home() -> None:
