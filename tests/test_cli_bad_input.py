@@ -36,6 +36,17 @@ NO_CUDA = not torch.cuda.is_available()
     (["--val-fraction", "1.5"], "val_fraction must be a number in (0, 1)"),
     (["--val-fraction", "0"], "val_fraction must be a number in (0, 1)"),
     (["--val-every", "2", "--val-fraction", "-0.1"], "val_fraction must be a number in (0, 1)"),
+    (["--nproc", "4", "--nodes", "3"], "nodes=3 must divide the 4 ranks"),
+    (["--nodes", "0"], "nodes must be a positive int, got 0"),
+    (["--inter-link", "fast"], "unknown link 'fast'"),
+    (["--intra-link", "0,10"], "bandwidth must be a finite number of GB/s > 0"),
+    (["--inter-link", "12.5"], "unknown link '12.5': expected BANDWIDTH_GBPS,LATENCY_US"),
+    (["--time-scale", "2"], "time_scale='2' scales emulated links: it needs --nodes N"),
+    (["--nodes", "1", "--time-scale", "tpu"], "time_scale 'tpu': expected a number > 0 or a GPU name"),
+    (["--nodes", "1", "--time-scale", "-3"], "time_scale must be a finite number > 0"),
+    (["--straggler", "rank=2:factor=3"], "straggler rank 2 does not exist: the run has ranks 0..0"),
+    (["--straggler", "rank=0:factor=0"], "straggler factor must be a finite number >= 1"),
+    (["--straggler", "rank0"], "straggler 'rank0': expected rank=R:factor=F"),
 ])
 def test_bad_flag_is_one_line_before_spawning(flags: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as info:

@@ -85,8 +85,9 @@ def test_collective_time_dispatches_by_op_name() -> None:
     assert link.collective_time("reduce_scatter_tensor", s) == link.reduce_scatter(s)
     assert link.collective_time("all_gather_into_tensor", s) == link.all_gather(s)
     assert link.collective_time("send", s) == link.collective_time("recv", s) == link.message_time(s)
-    with pytest.raises(ValueError, match="no α-β price for op 'broadcast'"):
-        link.collective_time("broadcast", s)
+    assert link.collective_time("broadcast", s) == link.collective_time("reduce", s) == 3 * link.message_time(s)
+    assert link.collective_time("all_to_all", s) == pytest.approx(7 * link.message_time(s / 8))
+    assert link.collective_time("barrier", s) == 3 * link.alpha  # log2(8) empty rounds, whatever S
     with pytest.raises(ValueError, match="unknown op 'butterfly'"):
         link.collective_time("butterfly", s)
 
@@ -131,3 +132,13 @@ def test_describe() -> None:
     assert Link(alpha=1e-4, bandwidth=1.5e9, world=2).describe() == (
         "alpha = 100 us per message, B = 1.50 GB/s (fitted at N = 2)")
     assert parallelism.NVLINK.describe() == "NVLink (450 GB/s, 5 µs): alpha = 5 us per message, B = 450.00 GB/s"
+
+
+def test_every_op_comm_runs_has_a_price() -> None:
+    """Emulated links (dist.emulation) charge every op comm runs, so each canonical op must have a formula."""
+    from workbench.theory.comm import OPS
+
+    link = Link(alpha=1e-5, bandwidth=1e9)
+    for op in OPS:
+        assert link.collective_time(op, 1e6, 4) >= 0
+    assert link.collective_time("barrier", 0, 1) == 0  # a group of one waits for nobody

@@ -190,6 +190,10 @@ def test_magics_start_cell_status_stop(shell):
     ("launch", None, "unknown command"),
     ("", "rank", "no rank pool is running"),
     ("status", None, "no rank pool is running"),
+    ("start 4 --nodes 3", None, "nodes=3 must divide the 4 ranks"),
+    ("start 2 --nodes 2 --inter-link fast", None, "inter_link: unknown link 'fast'"),
+    ("start 2 --straggler rank=2:factor=2", None, "straggler rank 2 does not exist"),
+    ("start 2 --nodes 2 --distribution scatter", None, "distribution='scatter'; valid: block, cyclic"),
 ])
 def test_magics_bad_arguments_without_pool(shell, line, cell, message):
     from IPython.core.error import UsageError
@@ -208,5 +212,24 @@ def test_magics_rank_out_of_range(shell):
     try:
         with pytest.raises(UsageError, match=r"out of range.*valid ranks are 0\.\.1"):
             shell.run_cell_magic("ranks", "0,5", "rank")
+    finally:
+        shell.run_line_magic("ranks", "stop")
+
+
+def test_magics_start_on_emulated_nodes_with_a_straggler(shell):
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as started:
+        shell.run_line_magic("ranks", f"start 2 --timeout {TIMEOUT} --nodes 2 --inter-link 0.02,1000 "
+                                      "--straggler rank=1:factor=3")
+    try:
+        assert "emulated: 2 nodes x 1 rank, intra nvlink" in started.stdout
+        assert "inter 0.02 GB/s, 1000 µs" in started.stdout
+        assert "emulated straggler: rank 1 computes 3x slower" in started.stdout
+        with capture_output() as out:
+            shell.run_cell_magic("ranks", "", "x = torch.ones(1024)\ncomm.all_reduce(x)\nx[0].item()")
+        assert ">2.0</pre>" in out.outputs[0].data["text/html"]  # both ranks' sum
+        events = [r.trace.comms[-1] for r in _magics(shell).pool.last_results]
+        assert all(e.link == "inter" and e.modelled_s > 0 for e in events)
     finally:
         shell.run_line_magic("ranks", "stop")

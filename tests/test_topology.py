@@ -79,6 +79,18 @@ def test_node_major_placement() -> None:
         topo.link_of([])
 
 
+def test_cyclic_placement_deals_ranks_round_robin_and_puts_tp_across_nodes() -> None:
+    topo = Topology(nodes=2, ranks_per_node=4, intra=NVLINK, inter=ETH, distribution="cyclic")
+    assert [topo.node_of(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert topo.describe() == "2 nodes x 4 ranks, cyclic"
+    links = axis_links(topo, dp=2, tp=4)
+    assert links["tp"] is ETH and links["dp"] is NVLINK  # the placement to avoid: tp on the slow link
+    assert axis_links(Topology(2, 4, NVLINK, ETH), dp=2, tp=4)["tp"] is NVLINK  # block: tp inside a node
+    assert "tp across nodes" in describe_placement(topo, dp=2, tp=4)
+    with pytest.raises(ValueError, match="distribution='scatter'; valid: block, cyclic"):
+        Topology(2, 4, NVLINK, ETH, distribution="scatter")
+
+
 def test_a_group_spanning_nodes_runs_at_its_slowest_hop() -> None:
     # PCIe boxes joined by InfiniBand: a ring over [0, 1, 4, 5] has PCIe hops (0-1, 4-5), slower than the NIC's.
     topo = Topology(nodes=2, ranks_per_node=4, intra=PCIE, inter=IB)

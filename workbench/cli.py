@@ -108,6 +108,7 @@ def _run_parser(sub: Any) -> None:
                    help="on a NaN/Inf or a loss spike: warn; rollback to the newest checkpoint and skip the batches "
                         "since; or stop")
     p.add_argument("--spike-factor", type=float, default=3.0, help="a loss above this x the recent median is a spike")
+    _run_topology_flags(p)
     # Flags whose default is RunConfig's own (argparse.SUPPRESS: left out of the namespace unless given).
     p.add_argument("--weight-decay", type=float, default=argparse.SUPPRESS, help="AdamW's decoupled weight decay "
                    "(default 0.1)")
@@ -211,6 +212,34 @@ def _link(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _link_spec(text: str) -> str:
+    """A ``run`` link flag, checked like calc's (``_link``) but kept as written: summary.json records the spec."""
+    _link(text)
+    return text
+
+
+def _run_topology_flags(p: argparse.ArgumentParser) -> None:
+    """Emulated nodes and links (``workbench.dist.emulation``): every collective and message waits the time the
+    α-β model gives over the links it crosses, so a one-machine run shows a cluster's slow links."""
+    p.add_argument("--nodes", type=int, default=None,
+                   help="emulate this many nodes, ranks placed node-major as torchrun and Slurm place them (default: "
+                        "no emulation; 1 when --intra-link or --inter-link is given)")
+    p.add_argument("--intra-link", type=_link_spec, default=None, metavar="SPEC",
+                   help="emulated link between ranks of one node: a preset (nvlink, pcie, infiniband, ethernet) or "
+                        "GBPS,US (default nvlink)")
+    p.add_argument("--inter-link", type=_link_spec, default=None, metavar="SPEC",
+                   help="emulated link between nodes (default infiniband)")
+    p.add_argument("--distribution", choices=("block", "cyclic"), default=None,
+                   help="how ranks are dealt to the emulated nodes, as Slurm's --distribution: block (node-major, "
+                        "default) or cyclic (round-robin: puts each tp group across nodes)")
+    p.add_argument("--straggler", default=None, metavar="rank=R:factor=F",
+                   help="emulate a straggler: rank R's forward, backward and optimizer take F times as long, and "
+                        "synchronous training waits for it")
+    p.add_argument("--time-scale", default=None, metavar="X|GPU",
+                   help="multiply emulated link times by X, or by how much slower a rank here computes than GPU "
+                        "(h100-bf16, a100-bf16, ...), measured, to keep that cluster's compute:communication ratio")
+
+
 def _calc_parser(sub: Any) -> None:
     from workbench.theory.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE_MODES
     from workbench.theory.parallelism import DEFAULT_LINKS
@@ -244,6 +273,9 @@ def _calc_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="link between ranks of one node (default nvlink)")
     p.add_argument("--inter-link", type=_link, default=None, metavar="SPEC",
                    help="link between ranks of different nodes (default infiniband)")
+    p.add_argument("--distribution", choices=("block", "cyclic"), default=None,
+                   help="how ranks are dealt to nodes (Slurm's --distribution): block, node-major (default), or "
+                        "cyclic, round-robin")
 
 
 def _calc_layout(args: argparse.Namespace) -> Any:
@@ -304,11 +336,12 @@ def _calc_links(args: argparse.Namespace, layout: Any) -> tuple[dict[str, Any], 
     from workbench.theory.topology import LINK_PRESETS, Topology, axis_links, describe_placement, link_label
 
     explicit = {axis: getattr(args, f"{axis}_link") for axis in ("dp", "tp", "pp") if getattr(args, f"{axis}_link")}
-    if args.nodes is None and args.intra_link is None and args.inter_link is None:
+    if args.nodes is None and args.intra_link is None and args.inter_link is None and args.distribution is None:
         return explicit, None
     topology = Topology.from_nproc(layout.nproc, 1 if args.nodes is None else args.nodes,
                                    intra=args.intra_link or LINK_PRESETS["nvlink"],
-                                   inter=args.inter_link or LINK_PRESETS["infiniband"])
+                                   inter=args.inter_link or LINK_PRESETS["infiniband"],
+                                   distribution=args.distribution or "block")
     sizes = dict(dp=layout.dp, tp=layout.tp, pp=layout.pp)
     placement = describe_placement(topology, **sizes)
     overrides = [f"--{axis}-link {link_label(link, detail=True)}" for axis, link in explicit.items()]

@@ -6,6 +6,7 @@
     %%ranks                                        # run the cell on every rank, outputs side by side
     %%ranks 0,2 [--timeout 5]                      # ... on ranks 0 and 2 only
     %ranks status | restart | stop | timeline
+    %ranks start 8 --nodes 2 --inter-link ethernet # ... on 2 emulated nodes joined by a slow link
 
 Each rank keeps its variables across cells; ``rank``, ``world_size``, ``device``, ``torch``, ``dist`` and
 ``comm`` are predefined. A cell's last expression is shown per rank, an exception on a rank as that
@@ -26,7 +27,9 @@ from IPython.display import display
 
 from workbench.dist.rank_pool import PoolBrokenError, RankPool, RankResult
 
-_LINE_USAGE = "usage: %ranks start N [--timeout S] [--device auto|cpu|cuda] | status | restart | stop | timeline"
+_LINE_USAGE = ("usage: %ranks start N [--timeout S] [--device auto|cpu|cuda] [--nodes K] [--intra-link SPEC] "
+               "[--inter-link SPEC] [--time-scale X|GPU] [--straggler rank=R:factor=F] | status | restart | stop | "
+               "timeline")
 _CELL_USAGE = "usage: %%ranks [RANKS, e.g. 0,2] [--timeout S]"
 
 
@@ -71,7 +74,7 @@ class RankMagics(Magics):
             raise UsageError(f"%ranks: unknown command {command!r}; {_LINE_USAGE}")
 
     def _start(self, args: list[str]) -> None:
-        options = _options(args, {"--timeout", "--device"}, "%ranks start")
+        options = _options(args, {"--timeout", "--device", _STRAGGLER, *_LINK_OPTIONS}, "%ranks start")
         if len(options["positional"]) != 1:
             raise UsageError(f"%ranks start needs the number of ranks, e.g. %ranks start 4; {_LINE_USAGE}")
         world_size = _int(options["positional"][0], "the number of ranks")
@@ -81,10 +84,17 @@ class RankMagics(Magics):
         if self.pool is not None:
             self.stop()  # one pool per kernel: the new one replaces it
         try:
-            self.pool = RankPool(world_size, timeout=timeout, device=options.get("--device"))
+            links = _links(options, world_size)
+            self.pool = RankPool(world_size, timeout=timeout, device=options.get("--device"), links=links,
+                                 straggler=options.get(_STRAGGLER))
         except ValueError as exc:
             raise UsageError(f"%ranks start: {exc}") from None
         print(f"started {self.pool.placement.describe(world_size)}; collective timeout {timeout:g}s")
+        if links is not None:
+            print(f"emulated: {links.describe()}")
+        if self.pool.straggler is not None:
+            s = self.pool.straggler
+            print(f"emulated straggler: rank {s.rank} computes {s.factor:g}x slower")
 
     def stop(self, quiet: bool = False) -> None:
         """Stop the pool if there is one (also called when the extension is unloaded)."""
@@ -195,6 +205,23 @@ def _options(words: list[str], allowed: set[str], where: str) -> dict[str, Any]:
         else:
             options["positional"].append(word)
     return options
+
+
+_LINK_OPTIONS = ("--nodes", "--intra-link", "--inter-link", "--time-scale", "--distribution")
+_STRAGGLER = "--straggler"
+
+
+def _links(options: dict[str, Any], world_size: int) -> Any:
+    """The emulated topology ``%ranks start`` was given (``--nodes`` etc., as ``workbench run`` takes them), or
+    None; a ValueError names the bad value."""
+    from workbench.dist.launch import link_emulation
+
+    if not any(name in options for name in _LINK_OPTIONS):
+        return None
+    nodes = _int(options.get("--nodes", "1"), "--nodes")
+    return link_emulation(world_size, nodes, options.get("--intra-link", "nvlink"),
+                          options.get("--inter-link", "infiniband"), options.get("--time-scale", "1"),
+                          options.get("--distribution", "block"))
 
 
 def _int(text: str, what: str) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the dashboard (ipywidgets, plotly) is imported only by a live run: the CLI starts without it
+    from workbench.dist.emulation import LinkEmulation
     from workbench.training.config import RunConfig  # and torch only once a run starts: `workbench --help` is quick
     from workbench.widgets.dashboard import Dashboard
 
@@ -64,17 +65,50 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
 
     if cfg.resume and lead:
         prepare_resume(cfg)
+    links = cfg.link_emulation()
     try:
         results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report, device=cfg.device,
-                         backend=cfg.backend, port=cfg.port, max_restarts=cfg.max_restarts)
+                         backend=cfg.backend, port=cfg.port, max_restarts=cfg.max_restarts, straggler=cfg.straggler,
+                         **_link_keywords(links))
     finally:
         bar.close()
     summary = summarize(cfg, results[0], results.traces)
+    if links is not None:
+        summary["links"] = links_summary(links, results.traces)
     if results.restarts:
         summary["restarts"] = _restart_log(results.restarts, streamed, summary)
     if out is not None and lead:
         write_outputs(Path(out), summary, results.traces)
     return summary
+
+
+def _link_keywords(links: LinkEmulation | None) -> dict[str, Any]:
+    """``launch``'s topology keywords for ``links`` (none: no emulation)."""
+    if links is None:
+        return {}
+    topo = links.topology
+    return {"nodes": topo.nodes, "intra_link": topo.intra, "inter_link": topo.inter, "time_scale": links.time_scale,
+            "distribution": topo.distribution}
+
+
+def links_summary(links: LinkEmulation, traces: list[Any]) -> dict[str, Any]:
+    """What summary.json says of emulated links: the topology, the time scale it ran at, and per link class the
+    bytes rank 0 sent, with the modelled and the measured seconds of those ops (emulated time, labelled so)."""
+    per_class: dict[str, dict[str, float]] = {}
+    for event in traces[0].comms if traces else []:
+        if not event.link:
+            continue
+        row = per_class.setdefault(event.link, {"ops": 0, "bus_bytes": 0.0, "modelled_s": 0.0, "measured_s": 0.0})
+        row["ops"] += 1
+        row["bus_bytes"] += event.bus_bytes
+        row["modelled_s"] += event.modelled_s or 0.0
+        row["measured_s"] += event.t1 - event.t0
+    topo = links.topology
+    return {"emulated": True, "describe": links.describe(), "nodes": topo.nodes, "ranks_per_node": topo.ranks_per_node,
+            "distribution": topo.distribution,
+            "intra": {"alpha_s": topo.intra.alpha, "bandwidth_Bps": topo.intra.bandwidth},
+            "inter": {"alpha_s": topo.inter.alpha, "bandwidth_Bps": topo.inter.bandwidth},
+            "time_scale": links.time_scale, "rank0_by_link": per_class}
 
 
 def prepare_resume(cfg: RunConfig) -> None:
@@ -154,7 +188,10 @@ def _health_summary(rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
 
     health = dict(rank0.get("health") or {})
     health["val_losses"] = [[m["step"], m["val_loss"]] for m in rank0["history"] if "val_loss" in m]
-    health["stragglers"] = stragglers([[m["step_time_s"] for m in t.metrics[1:] or t.metrics] for t in traces])
+    steps = [t.metrics[1:] or t.metrics for t in traces]
+    computed = all("compute_s" in m for ms in steps for m in ms)
+    compute = [[m["compute_s"] for m in ms] for ms in steps] if computed else None
+    health["stragglers"] = stragglers([[m["step_time_s"] for m in ms] for ms in steps], compute_times=compute)
     return health
 
 

@@ -31,6 +31,8 @@ MEMORY_CATEGORIES = (
 
 #: Categories of spans; viz colours them consistently.
 SPAN_CATEGORIES = ("forward", "backward", "optimizer", "comm", "wait", "idle", "data", "other")
+#: The span categories that are this rank's own computation: what an emulated straggler slows down.
+COMPUTE_CATEGORIES = ("forward", "backward", "optimizer")
 
 
 @dataclass
@@ -53,6 +55,10 @@ class CommEvent:
     reduce-scatter / all-gather), ``bus_bytes`` what this rank sends under the ring algorithm
     (nccl-tests' "bus bandwidth" accounting), so sum(bus_bytes)/time is comparable across ops.
     For async ops ``t1`` is when ``wait()`` returned.
+
+    With emulated links (``dist.emulation``), ``link`` is the link class the op crossed (``"intra"`` inside a node,
+    ``"inter"`` across nodes) and ``modelled_s`` the seconds the α-β model charged it; ``t1 - t0`` is then
+    emulated time. Without emulation both stay empty.
     """
 
     op: str
@@ -68,6 +74,8 @@ class CommEvent:
     tag: str = ""
     step: int | None = None
     peer: int | None = None
+    link: str = ""
+    modelled_s: float | None = None
 
 
 @dataclass
@@ -204,6 +212,13 @@ class Tracer:
         #: Bytes per collective op since the last ``take_comm_totals``, counted even while ``enabled`` is off
         #: (two dict updates per op): what a live dashboard streams every step without a full trace.
         self.comm_totals: dict[str, int] = {}
+        #: An emulated straggler (``launch(..., straggler="rank=R:factor=F")``): this rank's compute spans
+        #: (``COMPUTE_CATEGORIES``) last this many times as long, the extra spent asleep inside the span. 1: as is.
+        self.slowdown = 1.0
+        self._compute_depth = 0
+        #: Seconds in outermost compute spans since the last ``take_compute_s``, counted even while ``enabled`` is
+        #: off: a rank's own work in a step, the rest of which is waiting (for data, for peers).
+        self.compute_s = 0.0
 
     @property
     def memory(self) -> MemoryLedger:
@@ -212,9 +227,16 @@ class Tracer:
     @contextmanager
     def span(self, name: str, category: str = "other") -> Iterator[None]:
         t0 = time.time()
+        slowed = self.slowdown != 1.0 and category in COMPUTE_CATEGORIES and self._compute_depth == 0
+        self._compute_depth += category in COMPUTE_CATEGORIES
         try:
             yield
         finally:
+            self._compute_depth -= category in COMPUTE_CATEGORIES
+            if slowed:  # the outermost compute span only, so nested spans are not slowed twice
+                time.sleep((self.slowdown - 1.0) * (time.time() - t0))
+            if category in COMPUTE_CATEGORIES and self._compute_depth == 0:
+                self.compute_s += time.time() - t0
             if self.enabled:
                 self.trace.spans.append(Span(name, category, t0, time.time(), self.trace.rank, self.step))
 
@@ -223,6 +245,11 @@ class Tracer:
         if self.enabled:
             event.step = self.step if event.step is None else event.step
             self.trace.comms.append(event)
+
+    def take_compute_s(self) -> float:
+        """Compute seconds since the last call (and reset)."""
+        seconds, self.compute_s = self.compute_s, 0.0
+        return seconds
 
     def take_comm_totals(self) -> dict[str, int]:
         """Bytes per op counted since the last call, and start counting afresh."""
@@ -306,6 +333,17 @@ def tracing(tracer: Tracer | None = None, rank: int = 0, world_size: int = 1) ->
     _Active.tracer = tracer if tracer is not None else Tracer(rank, world_size)
     try:
         yield _Active.tracer
+    finally:
+        _Active.tracer = previous
+
+
+@contextmanager
+def untraced() -> Iterator[None]:
+    """No active tracer for the duration of the block (what a run without tracing pays: nothing is recorded)."""
+    previous = _Active.tracer
+    _Active.tracer = None
+    try:
+        yield
     finally:
         _Active.tracer = previous
 

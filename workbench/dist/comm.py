@@ -8,6 +8,10 @@ strategy communicates through here, the bytes-per-step table, the communication 
 With no process group (one process) or a group of one rank, the collectives are identities, so
 single-process training runs the same code path as data-parallel training.
 
+With emulated links on (``dist.emulation``, ``launch(..., nodes=2, inter_link="ethernet")``), each op also waits
+until the end the α-β model gives over the links it crosses, and its event records the link class and the
+modelled seconds beside the measured ones. With them off, nothing here changes.
+
 ``group=None`` means the default (world) group, as in torch.distributed.
 """
 
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import trace
+from workbench.dist import emulation
 from workbench.theory import comm as theory_comm
 from workbench.trace import CommEvent
 
@@ -86,7 +91,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _record(op: str, t: torch.Tensor, nbytes: int, group: Any, t0: float, async_op: bool = False,
-            tag: str = "", peer: int | None = None) -> None:
+            tag: str = "", peer: int | None = None, emulated: _Emulated | None = None) -> None:
     tracer = trace.current()
     if tracer is None:
         return
@@ -95,22 +100,115 @@ def _record(op: str, t: torch.Tensor, nbytes: int, group: Any, t0: float, async_
     tracer.record_comm(CommEvent(
         op=op, nbytes=int(nbytes), bus_bytes=bus_bytes(op, nbytes, world), dtype=str(t.dtype).replace("torch.", ""),
         shape=tuple(t.shape), group=ranks, t0=t0, t1=time.time(), rank=tracer.trace.rank,
-        async_op=async_op, tag=tag, peer=peer))
+        async_op=async_op, tag=tag, peer=peer, link=emulated.link if emulated else "",
+        modelled_s=emulated.modelled if emulated else None))
+
+
+class _Emulated:
+    """An op's debt to the emulated links while it is in flight (``dist.emulation``): its link class, modelled
+    seconds, and the time it may end, known at once (a send) or from the stamp a peer sends (a collective's
+    start, a message's arrival), read when the op is waited for."""
+
+    def __init__(self, clock: emulation.LinkClock, link: str, modelled: float, end: float | None = None,
+                 stamp: torch.Tensor | None = None, stamp_work: Any = None, offset: float = 0.0) -> None:
+        self.clock, self.link, self.modelled = clock, link, modelled
+        self._end, self._stamp, self._stamp_work, self._offset = end, stamp, stamp_work, offset
+
+    def end(self) -> float:
+        """The modelled end (waits for the peers' stamp if it has not come yet)."""
+        if self._stamp_work is not None:
+            self._stamp_work.wait()
+            self._stamp_work = None
+        if self._end is None:
+            self._end = float(self._stamp.item()) + self._offset
+        return self._end
+
+    def ready(self) -> bool:
+        """Whether the modelled end has passed, without blocking."""
+        if self._stamp_work is not None and not self._stamp_work.is_completed():
+            return False
+        return time.time() >= self.end()
+
+    def settle(self) -> None:
+        """Block until the modelled end; the link stays busy until then."""
+        end = self.end()
+        self.clock.occupy(self.link, end)
+        emulation.sleep_until(end)
+
+
+def _stamp_device(group: Any) -> torch.device:
+    """Where a stamp must live for ``group``'s backend: this rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _charge_collective(op: str, nbytes: int, group: Any, t0: float) -> _Emulated | None:
+    """Start charging a collective (before the real op is issued, in the same order on every rank): each member
+    offers when its link could start; the group's latest offer is when the collective starts."""
+    clock = emulation.current()
+    if clock is None:  # emulation off: nothing more than this check per op
+        return None
+    ranks = group_ranks(group)
+    if len(ranks) <= 1:
+        return None
+    link = clock.emulation.link_class(ranks)
+    modelled = clock.emulation.modelled_time(op, nbytes, ranks)
+    offer = clock.offer(link, t0)
+    clock.occupy(link, offer + modelled)  # the next op this rank queues on the link starts after this one
+    offered = emulation.stamp(offer, _stamp_device(group))
+    work = dist.all_reduce(offered, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    return _Emulated(clock, link, modelled, stamp=offered, stamp_work=work, offset=modelled)
+
+
+def _p2p_link(peer: int, op: str, nbytes: int) -> tuple[emulation.LinkClock, str, float] | None:
+    clock = emulation.current()
+    if clock is None:
+        return None
+    ends = (dist.get_rank(), peer)
+    return clock, clock.emulation.link_class(ends), clock.emulation.modelled_time(op, nbytes, ends)
+
+
+def _charge_send(tensor: torch.Tensor, dst: int, group: Any, t0: float) -> _Emulated | None:
+    """The message arrives when the sender's link has carried it; the sender tells the receiver when, in a stamp
+    sent just ahead of the data (so both ends agree without a shared clock service)."""
+    priced = _p2p_link(dst, "send", _nbytes(tensor))
+    if priced is None:
+        return None
+    clock, link, modelled = priced
+    end = clock.offer(link, t0) + modelled
+    clock.occupy(link, end)
+    arrival = emulation.stamp(end, _stamp_device(group))
+    work = dist.isend(arrival, dst=dst, group=group)
+    return _Emulated(clock, link, modelled, end=end, stamp=arrival, stamp_work=work)
+
+
+def _charge_recv(tensor: torch.Tensor, src: int, group: Any) -> _Emulated | None:
+    priced = _p2p_link(src, "recv", _nbytes(tensor))
+    if priced is None:
+        return None
+    clock, link, modelled = priced
+    arrival = torch.empty(1, dtype=torch.float64, device=_stamp_device(group))
+    work = dist.irecv(arrival, src=src, group=group)
+    return _Emulated(clock, link, modelled, stamp=arrival, stamp_work=work)
 
 
 class Work:
     """Handle of an async op: ``wait()`` blocks, then logs the op with the time it really finished."""
 
-    def __init__(self, work: Any, on_done: Any) -> None:
+    def __init__(self, work: Any, on_done: Any, emulated: _Emulated | None = None) -> None:
         self._work = work
         self._on_done = on_done
         self._done = False
+        self._emulated = emulated
 
     def wait(self) -> None:
         if self._done:
             return
         if self._work is not None:
             self._work.wait()
+        if self._emulated is not None:
+            self._emulated.settle()  # an emulated link: done no earlier than its modelled end
         self._done = True
         self._on_done()
 
@@ -120,10 +218,14 @@ class Work:
         return self._done
 
     def is_completed(self) -> bool:
-        return self._done or (self._work is not None and self._work.is_completed())
+        if self._done:
+            return True
+        real = self._work is not None and self._work.is_completed()
+        return real and (self._emulated is None or self._emulated.ready())
 
 
-def _finish(op: str, work: Any, async_op: bool, record: Any, after: Any = None) -> Work | None:
+def _finish(op: str, work: Any, async_op: bool, record: Any, after: Any = None,
+            emulated: _Emulated | None = None) -> Work | None:
     """Wait now (sync) or hand back a Work that logs on wait (async). ``after`` runs once the data is in."""
 
     def on_done() -> None:
@@ -131,7 +233,7 @@ def _finish(op: str, work: Any, async_op: bool, record: Any, after: Any = None) 
             after()
         record()
 
-    handle = Work(work, on_done)
+    handle = Work(work, on_done, emulated)
     if async_op:
         return handle
     handle.wait()
@@ -152,9 +254,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None, async_o
     t0 = time.time()
     world = group_size(group)
     after = (lambda: tensor.div_(world)) if op == "avg" and world > 1 else None
+    emulated = _charge_collective("all_reduce", _nbytes(tensor), group, t0) if world > 1 else None
     work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True) if world > 1 else None
     return _finish("all_reduce", work, async_op,
-                   lambda: _record("all_reduce", tensor, _nbytes(tensor), group, t0, async_op, tag), after)
+                   lambda: _record("all_reduce", tensor, _nbytes(tensor), group, t0, async_op, tag, emulated=emulated),
+                   after, emulated)
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: str = "sum", group: Any = None,
@@ -176,14 +280,17 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", g
                          f"output dim 0 ({output.shape[0]})")
     check_device("reduce_scatter", group, output, input)
     t0 = time.time()
+    emulated = None
     if world == 1:
         output.copy_(input)
         work = None
     else:
+        emulated = _charge_collective("reduce_scatter", _nbytes(input), group, t0)
         work = _reduce_scatter_single(output, input, op=reduce_op, group=group, async_op=True)
     after = (lambda: output.div_(world)) if op == "avg" and world > 1 else None
     return _finish("reduce_scatter", work, async_op,
-                   lambda: _record("reduce_scatter", input, _nbytes(input), group, t0, async_op, tag), after)
+                   lambda: _record("reduce_scatter", input, _nbytes(input), group, t0, async_op, tag,
+                                   emulated=emulated), after, emulated)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
@@ -195,13 +302,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
                          f"input dim 0 ({input.shape[0]})")
     check_device("all_gather", group, output, input)
     t0 = time.time()
+    emulated = None
     if world == 1:
         output.copy_(input)
         work = None
     else:
+        emulated = _charge_collective("all_gather", _nbytes(output), group, t0)
         work = _all_gather_single(output, input, group=group, async_op=True)
     return _finish("all_gather", work, async_op,
-                   lambda: _record("all_gather", output, _nbytes(output), group, t0, async_op, tag))
+                   lambda: _record("all_gather", output, _nbytes(output), group, t0, async_op, tag,
+                                   emulated=emulated), None, emulated)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False,
@@ -209,9 +319,12 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: b
     """Broadcast from ``src``, a *global* rank as in torch.distributed."""
     check_device("broadcast", group, tensor)
     t0 = time.time()
-    work = dist.broadcast(tensor, src=src, group=group, async_op=True) if group_size(group) > 1 else None
+    several = group_size(group) > 1
+    emulated = _charge_collective("broadcast", _nbytes(tensor), group, t0) if several else None
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True) if several else None
     return _finish("broadcast", work, async_op,
-                   lambda: _record("broadcast", tensor, _nbytes(tensor), group, t0, async_op, tag))
+                   lambda: _record("broadcast", tensor, _nbytes(tensor), group, t0, async_op, tag, emulated=emulated),
+                   None, emulated)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = None, async_op: bool = False,
@@ -221,11 +334,13 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = Non
     world = group_size(group)
     check_device("reduce", group, tensor)
     t0 = time.time()
+    emulated = _charge_collective("reduce", _nbytes(tensor), group, t0) if world > 1 else None
     work = dist.reduce(tensor, dst=dst, op=reduce_op, group=group, async_op=True) if world > 1 else None
     is_dst = not is_distributed() or dist.get_rank() == dst
     after = (lambda: tensor.div_(world)) if op == "avg" and world > 1 and is_dst else None
     return _finish("reduce", work, async_op,
-                   lambda: _record("reduce", tensor, _nbytes(tensor), group, t0, async_op, tag), after)
+                   lambda: _record("reduce", tensor, _nbytes(tensor), group, t0, async_op, tag, emulated=emulated),
+                   after, emulated)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
@@ -233,50 +348,65 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any = None, asy
     """Chunk i of ``input`` goes to group rank i; chunk j of ``output`` comes from group rank j."""
     check_device("all_to_all", group, output, input)
     t0 = time.time()
+    emulated = None
     if group_size(group) == 1:
         output.copy_(input)
         work = None
     else:
+        emulated = _charge_collective("all_to_all", _nbytes(input), group, t0)
         work = dist.all_to_all_single(output, input, group=group, async_op=True)
     return _finish("all_to_all", work, async_op,
-                   lambda: _record("all_to_all", input, _nbytes(input), group, t0, async_op, tag))
+                   lambda: _record("all_to_all", input, _nbytes(input), group, t0, async_op, tag, emulated=emulated),
+                   None, emulated)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> None:
     """Blocking send to global rank ``dst``."""
-    check_device("send", group, tensor)
-    t0 = time.time()
-    dist.send(tensor, dst=dst, group=group)
-    _record("send", tensor, _nbytes(tensor), group, t0, tag=tag, peer=dst)
+    _send(tensor, dst, group, tag, async_op=False).wait()
 
 
 def recv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> None:
     """Blocking receive from global rank ``src`` into ``tensor``."""
-    check_device("recv", group, tensor)
-    t0 = time.time()
-    dist.recv(tensor, src=src, group=group)
-    _record("recv", tensor, _nbytes(tensor), group, t0, tag=tag, peer=src)
+    _recv(tensor, src, group, tag, async_op=False).wait()
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> Work:
-    check_device("isend", group, tensor)
-    t0 = time.time()
-    work = dist.isend(tensor, dst=dst, group=group)
-    return Work(work, lambda: _record("send", tensor, _nbytes(tensor), group, t0, True, tag, dst))
+    """Send to global rank ``dst``; ``wait()`` the handle before reusing ``tensor``."""
+    return _send(tensor, dst, group, tag, async_op=True)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> Work:
-    check_device("irecv", group, tensor)
+    """Receive from global rank ``src`` into ``tensor``; its data is there once ``wait()`` returns."""
+    return _recv(tensor, src, group, tag, async_op=True)
+
+
+def _send(tensor: torch.Tensor, dst: int, group: Any, tag: str, async_op: bool) -> Work:
+    check_device("isend" if async_op else "send", group, tensor)
     t0 = time.time()
+    emulated = _charge_send(tensor, dst, group, t0)
+    work = dist.isend(tensor, dst=dst, group=group)
+    return Work(work, lambda: _record("send", tensor, _nbytes(tensor), group, t0, async_op, tag, dst, emulated),
+                emulated)
+
+
+def _recv(tensor: torch.Tensor, src: int, group: Any, tag: str, async_op: bool) -> Work:
+    check_device("irecv" if async_op else "recv", group, tensor)
+    t0 = time.time()
+    emulated = _charge_recv(tensor, src, group)
     work = dist.irecv(tensor, src=src, group=group)
-    return Work(work, lambda: _record("recv", tensor, _nbytes(tensor), group, t0, True, tag, src))
+    return Work(work, lambda: _record("recv", tensor, _nbytes(tensor), group, t0, async_op, tag, src, emulated),
+                emulated)
 
 
 def barrier(group: Any = None, tag: str = "") -> None:
     t0 = time.time()
+    emulated = None
     if group_size(group) > 1:
+        emulated = _charge_collective("barrier", 0, group, t0)
         dist.barrier(group=group)
-    _record("barrier", torch.empty(0, device="cpu"), 0, group, t0, tag=tag)  # a record, not data
+        if emulated is not None:
+            emulated.settle()
+    _record("barrier", torch.empty(0, device="cpu"), 0, group, t0, tag=tag, emulated=emulated)  # a record, not data
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:

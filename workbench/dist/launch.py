@@ -48,7 +48,10 @@ import torch
 import torch.distributed as dist
 
 from workbench import trace
+from workbench.dist import emulation
+from workbench.dist.emulation import LinkEmulation, Straggler, resolve_time_scale
 from workbench.dist.faults import RESTART_ENV, restart_count
+from workbench.theory.comm import Link
 
 VALID_BACKENDS = ("gloo", "nccl")
 VALID_DEVICES = ("auto", "cpu", "cuda")
@@ -188,7 +191,9 @@ def under_torchrun() -> bool:
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
            device: str | None = None, timeout: float = 60.0, port: int = 0,
            on_report: Callable[[int, Any], None] | None = None, max_restarts: int = 0,
-           on_restart: Callable[[int, RankError], None] | None = None, **kwargs: Any) -> RankResults:
+           on_restart: Callable[[int, RankError], None] | None = None, nodes: int | None = None,
+           intra_link: str | Link = "nvlink", inter_link: str | Link = "infiniband", time_scale: float | str = 1.0,
+           distribution: str = "block", straggler: str | Straggler | None = None, **kwargs: Any) -> RankResults:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
     ``device`` (``auto``/``cpu``/``cuda``) and ``backend`` choose where ranks run (``resolve_placement``);
@@ -200,24 +205,35 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     restarted rank ``workbench.faults.restart_count()`` says which attempt it is, so ``fn`` can resume from its
     newest checkpoint. ``on_restart(attempt, error)`` is called before each restart; the result's ``restarts``
     lists them. Under torchrun, its own ``--max-restarts`` does this and ``max_restarts`` is ignored.
-    ``backend``, ``device``, ``timeout``, ``port``, ``on_report``, ``max_restarts`` and ``on_restart`` are
-    launch's own keywords; all other keywords go to ``fn``.
+    ``nodes`` (default None: no emulation) groups the ranks into that many emulated nodes, node-major, joined by
+    ``intra_link`` inside a node and ``inter_link`` between nodes (presets ``nvlink``, ``pcie``, ``infiniband``,
+    ``ethernet``, or ``"GBPS,US"``): every ``comm`` op then takes the α-β model's time over the links it crosses,
+    multiplied by ``time_scale`` (a number, or a GPU name such as ``"h100-bf16"`` to keep that cluster's compute :
+    communication ratio on this CPU); see ``workbench.dist.emulation``. ``distribution="cyclic"`` deals the ranks to
+    the nodes round-robin instead of node-major (Slurm's ``--distribution``). ``straggler="rank=R:factor=F"`` makes rank
+    R's forward, backward and optimizer spans last F times as long.
+    ``backend``, ``device``, ``timeout``, ``port``, ``on_report``, ``max_restarts``, ``on_restart``, ``nodes``,
+    ``intra_link``, ``inter_link``, ``time_scale``, ``distribution`` and ``straggler`` are launch's own keywords; all other keywords
+    go to ``fn``.
 
     Raises ``RankError`` (a RuntimeError) naming the rank when a rank raises, dies or a collective times
     out; ``ValueError`` for bad arguments, before any process is started.
     """
     placement = _validate(fn, world_size, backend, device, timeout, port)
+    emulated = Emulated(link_emulation(world_size, nodes, intra_link, inter_link, time_scale, distribution),
+                        None if straggler is None else Straggler.parse(straggler, world_size))
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be an int >= 0 (how often to restart all ranks after a failure), "
                          f"got {max_restarts!r}")
     if placement.note and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
         print(f"workbench: {placement.note}", file=sys.stderr)
     if under_torchrun():
-        return _run_under_torchrun(fn, world_size, placement, timeout, on_report, args, kwargs)
+        return _run_under_torchrun(fn, world_size, placement, timeout, on_report, args, kwargs, emulated)
     restarts: list[dict[str, Any]] = []
     for attempt in range(max_restarts + 1):
         try:
-            results = _spawn_and_run(fn, world_size, placement, timeout, port, on_report, args, kwargs, attempt)
+            results = _spawn_and_run(fn, world_size, placement, timeout, port, on_report, args, kwargs, attempt,
+                                     emulated)
         except RankError as error:
             error.restarts = restarts
             if attempt == max_restarts:
@@ -246,6 +262,35 @@ def report(obj: Any) -> None:
         _Reporter.send(obj)
 
 
+@dataclass(frozen=True)
+class Emulated:
+    """What a launch emulates in every rank: links (``LinkEmulation``) and a straggler; both None: nothing."""
+
+    links: LinkEmulation | None = None
+    straggler: Straggler | None = None
+
+    @contextlib.contextmanager
+    def applied(self, rank: int, world_size: int) -> Any:
+        """This rank's tracer, with the straggler's slowdown and the emulated links in force for the block."""
+        with trace.tracing(rank=rank, world_size=world_size) as tracer, emulation.emulating(self.links):
+            if self.straggler is not None:
+                tracer.slowdown = self.straggler.slowdown(rank)
+            yield tracer
+
+
+def link_emulation(world_size: int, nodes: int | None, intra_link: str | Link = "nvlink",
+                   inter_link: str | Link = "infiniband", time_scale: float | str = 1.0,
+                   distribution: str = "block") -> LinkEmulation | None:
+    """The emulated topology ``launch`` was asked for (None when ``nodes`` is None), checked before any rank
+    starts; a GPU-named time scale is measured here, once, not in every rank."""
+    if nodes is None:
+        return None
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes must be a positive int (emulated nodes the ranks are spread over), got {nodes!r}")
+    return LinkEmulation.build(world_size, nodes, intra_link, inter_link, resolve_time_scale(time_scale, world_size),
+                               distribution)
+
+
 def _validate(fn: Any, world_size: Any, backend: str | None, device: str | None, timeout: Any,
               port: Any) -> Placement:
     if not callable(fn):
@@ -264,11 +309,17 @@ def _validate(fn: Any, world_size: Any, backend: str | None, device: str | None,
 
 
 def _run_under_torchrun(fn: Callable[..., Any], world_size: int, placement: Placement, timeout: float,
-                        on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict) -> RankResults:
+                        on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict,
+                        emulated: Emulated | None = None) -> RankResults:
     env_world = int(os.environ["WORLD_SIZE"])
     if env_world != world_size:
         raise ValueError(f"world_size={world_size} but torchrun started WORLD_SIZE={env_world} ranks; "
                          f"pass world_size={env_world} or change --nproc-per-node")
+    emulated = emulated or Emulated()
+    if emulated.links is not None and int(os.environ.get("LOCAL_WORLD_SIZE", env_world)) != env_world:
+        # Emulation compares the ranks' time.time(); clocks of different machines do not agree closely enough.
+        raise ValueError("emulated nodes need every rank on this machine, but torchrun spread them over several; "
+                         "drop nodes= (the real links are already there) or run torchrun with --nnodes 1")
     rank = int(os.environ["RANK"])
     _Reporter.send = (lambda obj: on_report(rank, obj)) if on_report is not None else None
     _bind_device(placement.device, int(os.environ.get("LOCAL_RANK", 0)))
@@ -277,7 +328,7 @@ def _run_under_torchrun(fn: Callable[..., Any], world_size: int, placement: Plac
     if owns_group:
         _init_torchrun_group(placement.backend, timeout)
     try:
-        with trace.tracing(rank=rank, world_size=world_size) as tracer:
+        with emulated.applied(rank, world_size) as tracer:
             result = fn(*args, **kwargs)
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, (result, tracer.trace))
@@ -312,7 +363,7 @@ def mp_context() -> Any:
 
 def _spawn_and_run(fn: Callable[..., Any], world_size: int, placement: Placement, timeout: float, port: int,
                    on_report: Callable[[int, Any], None] | None, args: tuple, kwargs: dict,
-                   attempt: int = 0) -> RankResults:
+                   attempt: int = 0, emulated: Emulated | None = None) -> RankResults:
     ctx = mp_context()
     payload = cloudpickle.dumps((fn, args, kwargs))
     store = host_store(port, world_size, timeout)
@@ -323,7 +374,7 @@ def _spawn_and_run(fn: Callable[..., Any], world_size: int, placement: Placement
             for rank in range(world_size):
                 p = ctx.Process(target=_rank_main, name=f"workbench-rank{rank}", daemon=True,
                                 args=(rank, world_size, store.port, placement, timeout, payload, messages,
-                                      os.getpid(), on_report is not None, attempt))
+                                      os.getpid(), on_report is not None, attempt, emulated))
                 p.start()
                 procs.append(p)
         return _supervise(procs, messages, timeout, on_report)
@@ -504,7 +555,8 @@ def stop_all(procs: list[Any]) -> None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, placement: Placement, timeout: float, payload: bytes,
-               messages: Any, parent_pid: int, listens: bool, attempt: int = 0) -> None:
+               messages: Any, parent_pid: int, listens: bool, attempt: int = 0,
+               emulated: Emulated | None = None) -> None:
     pumps = _redirect_output(rank, messages)
     _Reporter.send = (lambda obj: messages.put(("report", rank, obj))) if listens else None
     exit_when_parent_dies(parent_pid)
@@ -515,7 +567,7 @@ def _rank_main(rank: int, world_size: int, port: int, placement: Placement, time
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         init_rank_process_group(rank, world_size, port, placement, timeout)
-        with trace.tracing(rank=rank, world_size=world_size) as tracer:
+        with (emulated or Emulated()).applied(rank, world_size) as tracer:
             result = fn(*args, **kwargs)
         messages.put(("ok", rank, cloudpickle.dumps((result, tracer.trace))))
         ok = True

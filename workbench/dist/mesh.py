@@ -16,12 +16,14 @@ A mesh owns its groups: nothing is kept in module globals, so two meshes can coe
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from workbench.dist import emulation
 from workbench.dist.launch import group_timeout, rank_device
 
 #: Axes from slowest- to fastest-varying rank index.
@@ -142,6 +144,36 @@ class Mesh:
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's ``axis`` group, in axis order."""
         return self.shape.axis_ranks(axis, self.rank)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on one node: the emulated topology's (``launch(..., nodes=N)``), else torchrun's
+        ``LOCAL_WORLD_SIZE``, else the whole world (one machine)."""
+        clock = emulation.current()
+        if clock is not None:
+            return clock.emulation.topology.ranks_per_node
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
+
+    def node_of(self, rank: int) -> int:
+        """The node holding global ``rank``: the emulated topology's placement (block or cyclic), else node-major
+        as torchrun and Slurm place ranks by default."""
+        clock = emulation.current()
+        if clock is not None:
+            return clock.emulation.topology.node_of(rank)
+        return rank // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        """The node this rank is on."""
+        return self.node_of(self.rank)
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // self.ranks_per_node)
+
+    def spans_nodes(self, axis: str) -> bool:
+        """Whether this rank's ``axis`` group crosses nodes (and so the slow link)."""
+        return len({self.node_of(r) for r in self.ranks(axis)}) > 1
 
     # Shorthands for the axes every strategy uses.
     @property

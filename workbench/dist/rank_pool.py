@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench import trace
+from workbench.dist import emulation
+from workbench.dist.emulation import LinkEmulation, Straggler
 from workbench.dist.launch import (
     TIMEOUT_ENV,
     Placement,
@@ -123,9 +125,17 @@ class RankPool:
     """``world_size`` persistent ranks that ``run`` code strings; see the module docstring."""
 
     def __init__(self, world_size: int, timeout: float = 60.0, device: str | None = None,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, links: LinkEmulation | None = None,
+                 straggler: str | Straggler | None = None) -> None:
         positive_int("world_size", world_size)
         self.placement = resolve_placement(world_size, device, backend)
+        if links is not None and links.topology.world != world_size:
+            raise ValueError(f"links are for {links.topology.describe()} = {links.topology.world} ranks, but the pool "
+                             f"has {world_size}")
+        #: Emulated nodes and links every rank's ``comm`` ops pay (``dist.emulation``); None: the real loopback.
+        self.links = links
+        #: An emulated straggler: its rank's forward, backward and optimizer spans take ``factor`` times as long.
+        self.straggler = None if straggler is None else Straggler.parse(straggler, world_size)
         self.world_size = world_size
         self.timeout = positive_number("timeout", timeout, "seconds")
         self.broken: str | None = None
@@ -148,7 +158,7 @@ class RankPool:
                     ours, theirs = ctx.Pipe(duplex=True)
                     p = ctx.Process(target=_worker_main, name=f"workbench-pool-rank{rank}", daemon=True,
                                     args=(rank, self.world_size, self._store.port, self.placement, self.timeout,
-                                          theirs, os.getpid()))
+                                          theirs, os.getpid(), self.links, self.straggler))
                     p.start()
                     theirs.close()
                     self._procs.append(p)
@@ -312,7 +322,8 @@ def _rss_bytes(pid: int | None) -> int | None:
 
 
 def _worker_main(rank: int, world_size: int, port: int, placement: Placement, timeout: float,
-                 conn: Any, parent_pid: int) -> None:
+                 conn: Any, parent_pid: int, links: LinkEmulation | None = None,
+                 straggler: Straggler | None = None) -> None:
     _die_with_parent()
     exit_when_parent_dies(parent_pid)
     set_rank_env(rank, world_size, port)
@@ -327,7 +338,8 @@ def _worker_main(rank: int, world_size: int, port: int, placement: Placement, ti
     except BaseException:  # noqa: BLE001 - a failed start is reported to the caller
         conn.send(("error", traceback.format_exc()))
         os._exit(1)
-    _serve(rank, world_size, conn, namespace)
+    with emulation.emulating(links):  # one link clock for the pool's life: queued ops carry across cells
+        _serve(rank, world_size, conn, namespace, 1.0 if straggler is None else straggler.slowdown(rank))
     # Skip interpreter teardown: gloo's destructors can block on peers that already left.
     os._exit(0)
 
@@ -348,7 +360,7 @@ def _fresh_namespace(rank: int, world_size: int) -> dict[str, Any]:
             "comm": comm, "device": rank_device()}
 
 
-def _serve(rank: int, world_size: int, conn: Any, namespace: dict[str, Any]) -> None:
+def _serve(rank: int, world_size: int, conn: Any, namespace: dict[str, Any], slowdown: float = 1.0) -> None:
     cell = 0
     while True:
         try:
@@ -360,13 +372,15 @@ def _serve(rank: int, world_size: int, conn: Any, namespace: dict[str, Any]) -> 
         if code is None:
             return
         cell += 1
-        conn.send(_run_one(rank, world_size, code, namespace, f"<rank {rank}, cell {cell}>"))
+        conn.send(_run_one(rank, world_size, code, namespace, f"<rank {rank}, cell {cell}>", slowdown))
 
 
-def _run_one(rank: int, world_size: int, code: str, namespace: dict[str, Any], filename: str) -> RankResult:
+def _run_one(rank: int, world_size: int, code: str, namespace: dict[str, Any], filename: str,
+             slowdown: float = 1.0) -> RankResult:
     result = RankResult(rank)
     t0 = time.perf_counter()
     with _captured_fds() as captured, trace.tracing(rank=rank, world_size=world_size) as tracer:
+        tracer.slowdown = slowdown  # an emulated straggler's compute spans (trace.span) take this many times as long
         try:
             result.value = _exec_cell(code, namespace, filename)
         except BaseException as exc:  # noqa: BLE001 - the learner's exception is the result

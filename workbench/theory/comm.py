@@ -25,7 +25,7 @@ _OP_ALIASES: dict[str, str] = {
     "reduce_scatter_single": "reduce_scatter",
     "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
     "all_to_all": "all_to_all", "all_to_all_single": "all_to_all", "alltoall": "all_to_all",
-    "broadcast": "broadcast", "reduce": "reduce", "send": "send", "recv": "recv",
+    "broadcast": "broadcast", "reduce": "reduce", "send": "send", "recv": "recv", "barrier": "barrier",
 }
 
 # Bytes each rank sends, as a multiple of S (nccl-tests "bus bandwidth" factors).
@@ -37,6 +37,7 @@ _BUS_FACTOR = {
     # A pipelined (chunked ring) broadcast/reduce passes all of S through every link: factor 1.
     # A point-to-point message is S. These do not shrink or grow with N.
     "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 1.0,
+    "barrier": lambda n: 0.0,  # a barrier carries no data
 }
 
 OPS: tuple[str, ...] = tuple(_BUS_FACTOR)
@@ -92,6 +93,34 @@ def reduce_scatter_time(nbytes: float, world: int, alpha: float, beta_bw: float)
 def all_gather_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
     """Ring all-gather into an S-byte tensor: same cost as reduce-scatter, without the additions."""
     return reduce_scatter_time(nbytes, world, alpha, beta_bw)
+
+
+def broadcast_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
+    """Binomial-tree broadcast (or reduce) of S bytes: ⌈log2 N⌉·(α + S/B), whole message per round.
+
+    Each round doubles the ranks that hold the message (Thakur et al. 2005, short-message broadcast). MPICH
+    switches to scatter + all-gather for long messages (≈ 2·S/B); that refinement is not modelled here.
+    """
+    _check_world("world", world)
+    _check_link(nbytes, alpha, beta_bw)
+    return math.ceil(math.log2(world)) * (alpha + nbytes / beta_bw)
+
+
+def all_to_all_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
+    """Pairwise-exchange all-to-all of an S-byte buffer per rank: (N−1)·(α + S/(N·B)).
+
+    N−1 rounds; in each, a rank sends one S/N chunk to one peer and receives one (Thakur et al. 2005).
+    """
+    _check_world("world", world)
+    _check_link(nbytes, alpha, beta_bw)
+    return (world - 1) * (alpha + nbytes / world / beta_bw)
+
+
+def barrier_time(world: int, alpha: float) -> float:
+    """Dissemination barrier: ⌈log2 N⌉ rounds of one empty message (Hensgen, Finkel & Manber 1988)."""
+    _check_world("world", world)
+    _check_link(0, alpha, 1.0)
+    return math.ceil(math.log2(world)) * alpha
 
 
 def tree_allreduce_time(nbytes: float, world: int, alpha: float, beta_bw: float) -> float:
@@ -315,6 +344,8 @@ def sp_grad_collectives(d_model: int, n_layer: int, seq: int, bytes_per_elem: fl
 # The collectives a Link prices over N ranks, by canonical op name (send/recv are priced by message_time).
 _COLLECTIVE_TIME: dict[str, Callable[[float, int, float, float], float]] = {
     "all_reduce": ring_allreduce_time, "reduce_scatter": reduce_scatter_time, "all_gather": all_gather_time,
+    "broadcast": broadcast_time, "reduce": broadcast_time, "all_to_all": all_to_all_time,
+    "barrier": lambda nbytes, world, alpha, bw: barrier_time(world, alpha),
 }
 
 
@@ -380,14 +411,13 @@ class Link:
     def collective_time(self, op: str, nbytes: float, world: int | None = None) -> float:
         """Time of ``op`` (any spelling ``canonical_op`` knows) on S bytes, by the methods above.
 
-        all_reduce, reduce_scatter, all_gather: the ring algorithms over ``world`` ranks; send, recv: one
-        message. Other ops have no price here: ValueError rather than a made-up formula.
+        all_reduce, reduce_scatter, all_gather: the ring algorithms over ``world`` ranks; broadcast, reduce: a
+        binomial tree; all_to_all: pairwise exchange; barrier: dissemination (no bytes); send, recv: one
+        message. An op ``canonical_op`` does not know is a ValueError rather than a made-up formula.
         """
         name = canonical_op(op)
         if name in ("send", "recv"):
             return self.message_time(nbytes)
-        if name not in _COLLECTIVE_TIME:
-            raise ValueError(f"no α-β price for op {op!r}; priced: {', '.join([*_COLLECTIVE_TIME, 'send', 'recv'])}")
         return _COLLECTIVE_TIME[name](nbytes, self._n(world), self.alpha, self.bandwidth)
 
     def describe(self) -> str:
@@ -420,7 +450,8 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
 
 
 __all__ = [
-    "OPS", "Link", "algorithm_bandwidth", "all_gather_time", "bus_bandwidth", "bus_bytes", "canonical_op",
+    "OPS", "Link", "algorithm_bandwidth", "all_gather_time", "all_to_all_time", "barrier_time", "broadcast_time",
+    "bus_bandwidth", "bus_bytes", "canonical_op",
     "dp_step_collectives", "dp_step_volume", "fit_alpha_beta", "hierarchical_allreduce_time", "p2p_time",
     "reduce_scatter_time", "ring_allreduce_time", "sp_block_collectives", "sp_block_volume", "sp_grad_collectives",
     "sp_vocab_collectives", "tp_block_collectives", "tp_block_volume", "tp_vocab_collectives", "tree_allreduce_time",

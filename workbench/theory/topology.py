@@ -6,6 +6,10 @@ PCIe), ranks on different nodes over ``inter`` (InfiniBand, Ethernet). Ranks are
 (``--nnodes``, ``--nproc-per-node``) and Slurm's block distribution number them: node 0 holds ranks
 0 .. ranks_per_node-1, node 1 the next ones, and so on.
 
+``distribution="cyclic"`` deals ranks out round-robin instead (Slurm's ``--distribution=cyclic``): rank r on node
+r mod nodes. With the mesh's tp-fastest order that puts each tp pair on two nodes, the placement to avoid, which is
+how a learner measures what putting tensor parallelism across the slow link costs.
+
 A mesh axis (dp, tp, pp) is a set of groups of ranks that run collectives together; a group whose ranks sit on
 one node uses ``intra`` only, a group spanning nodes has hops on ``inter`` too. A ring is as slow as its slowest
 hop and a collective on an axis as slow as its slowest group, so ``axis_links`` gives each axis the slowest link
@@ -37,6 +41,15 @@ from workbench.theory.parallelism import AXES, INFINIBAND, NVLINK
 PCIE = Link(alpha=10e-6, bandwidth=25e9, name="PCIe 4 x16 (25 GB/s, 10 µs)")
 ETHERNET = Link(alpha=20e-6, bandwidth=12.5e9, name="Ethernet 100 GbE (12.5 GB/s, 20 µs)")
 LINK_PRESETS: dict[str, Link] = {"nvlink": NVLINK, "pcie": PCIE, "infiniband": INFINIBAND, "ethernet": ETHERNET}
+
+# Dense peak matrix-multiply rates from NVIDIA's data sheets (H100 SXM5, A100 SXM4; sparsity not counted), the
+# GPUs a time scale can map this machine onto (dist.emulation.time_scale_for). FLOP/s.
+GPU_PEAK_FLOPS: dict[str, float] = {
+    "h100-bf16": 989e12, "h100-tf32": 495e12, "a100-bf16": 312e12, "a100-tf32": 156e12,
+}
+
+#: How ranks are dealt to nodes, in Slurm's words: block (node-major, torchrun's and Slurm's default) or cyclic.
+DISTRIBUTIONS = ("block", "cyclic")
 
 SPEC_HELP = f"BANDWIDTH_GBPS,LATENCY_US such as 50,10 or a preset ({', '.join(LINK_PRESETS)})"
 
@@ -81,30 +94,34 @@ def slowest(links: list[Link]) -> Link:
 
 @dataclass(frozen=True)
 class Topology:
-    """``nodes`` machines of ``ranks_per_node`` ranks, numbered node-major; ``intra`` joins ranks of one node,
-    ``inter`` ranks of different nodes."""
+    """``nodes`` machines of ``ranks_per_node`` ranks, numbered node-major (``distribution="block"``) or dealt
+    round-robin (``"cyclic"``); ``intra`` joins ranks of one node, ``inter`` ranks of different nodes."""
 
     nodes: int
     ranks_per_node: int
     intra: Link
     inter: Link
+    distribution: str = "block"
 
     def __post_init__(self) -> None:
         positive_int("nodes", self.nodes)
         positive_int("ranks_per_node", self.ranks_per_node)
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(f"distribution={self.distribution!r}; valid: {', '.join(DISTRIBUTIONS)}")
         for name in ("intra", "inter"):
             if not isinstance(getattr(self, name), Link):
                 raise ValueError(f"{name} must be a theory.comm.Link (see parse_link), got {getattr(self, name)!r}")
 
     @classmethod
-    def from_nproc(cls, nproc: int, nodes: int, intra: Link = NVLINK, inter: Link = INFINIBAND) -> Topology:
+    def from_nproc(cls, nproc: int, nodes: int, intra: Link = NVLINK, inter: Link = INFINIBAND,
+                   distribution: str = "block") -> Topology:
         """``nproc`` ranks spread evenly over ``nodes`` nodes; ``ValueError`` if ``nodes`` does not divide them."""
         positive_int("nproc", nproc)
         positive_int("nodes", nodes)
         if nproc % nodes:
             raise ValueError(f"nodes={nodes} must divide the {nproc} ranks (every node holds as many ranks); "
                              f"valid node counts: {', '.join(str(n) for n in range(1, nproc + 1) if nproc % n == 0)}")
-        return cls(nodes=nodes, ranks_per_node=nproc // nodes, intra=intra, inter=inter)
+        return cls(nodes=nodes, ranks_per_node=nproc // nodes, intra=intra, inter=inter, distribution=distribution)
 
     @property
     def world(self) -> int:
@@ -112,10 +129,10 @@ class Topology:
         return self.nodes * self.ranks_per_node
 
     def node_of(self, rank: int) -> int:
-        """The node holding ``rank`` (node-major: ranks 0 .. ranks_per_node-1 are on node 0)."""
+        """The node holding ``rank``: block, ranks 0 .. ranks_per_node-1 on node 0; cyclic, rank mod nodes."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
             raise ValueError(f"rank must be an int in [0, {self.world}) for {self.describe()}, got {rank!r}")
-        return rank // self.ranks_per_node
+        return rank % self.nodes if self.distribution == "cyclic" else rank // self.ranks_per_node
 
     def spans_nodes(self, ranks: list[int]) -> bool:
         """Whether the group ``ranks`` sits on more than one node."""
@@ -133,9 +150,9 @@ class Topology:
         return slowest(crossed)
 
     def describe(self) -> str:
-        """``2 nodes x 4 ranks``."""
+        """``2 nodes x 4 ranks`` (``, cyclic`` when ranks are dealt round-robin)."""
         return f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {self.ranks_per_node} rank" \
-               f"{'s' if self.ranks_per_node > 1 else ''}"
+               f"{'s' if self.ranks_per_node > 1 else ''}" + (", cyclic" if self.distribution == "cyclic" else "")
 
     def _group(self, ranks: list[int]) -> list[int]:
         group = list(ranks)
@@ -194,6 +211,6 @@ def _check_world(topology: Topology, dp: int, tp: int, pp: int) -> None:
 
 
 __all__ = [
-    "ETHERNET", "LINK_PRESETS", "PCIE", "SPEC_HELP", "Topology", "axis_groups", "axis_links", "describe_placement",
-    "link_label", "parse_link", "slowest",
+    "DISTRIBUTIONS", "ETHERNET", "GPU_PEAK_FLOPS", "LINK_PRESETS", "PCIE", "SPEC_HELP", "Topology", "axis_groups",
+    "axis_links", "describe_placement", "link_label", "parse_link", "slowest",
 ]

@@ -16,6 +16,7 @@ from workbench.checkpoint.store import (
     ensure_writable,
 )
 from workbench.data import corpus_tokens
+from workbench.dist.emulation import LinkEmulation, Straggler, check_time_scale, resolve_time_scale
 from workbench.dist.faults import parse_fault
 from workbench.models import PRESETS, GPTConfig
 from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig
@@ -78,6 +79,12 @@ class RunConfig:
     val_fraction: float = 0.1  # the corpus's last windows held out for validation when val_every is set
     on_spike: str = "warn"  # a NaN/Inf or loss spike: warn, rollback (to the newest checkpoint, skipping batches), stop
     spike_factor: float = 3.0  # a loss above this x the recent median is a spike
+    nodes: int | None = None  # emulated nodes (node-major); None: no emulation unless a link is given (then 1 node)
+    intra_link: str | None = None  # link inside a node: a preset (nvlink, pcie, ...) or GBPS,US; default nvlink
+    inter_link: str | None = None  # link between nodes; default infiniband
+    time_scale: float | str | None = None  # emulated seconds x this; a GPU name (h100-bf16) measures it; default 1
+    distribution: str | None = None  # emulated nodes: block (node-major, the default) or cyclic (round-robin)
+    straggler: str | None = None  # rank=R:factor=F: rank R computes F times slower (dist.emulation.Straggler)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -141,6 +148,7 @@ class RunConfig:
         self._validate_checkpointing()
         self._validate_faults()
         self._validate_health()
+        self._validate_links()
         if self.export is not None:
             ensure_writable(Path(self.export).parent)
 
@@ -149,6 +157,34 @@ class RunConfig:
             raise ValueError(f"max_restarts must be an int >= 0 (restarts after a failure), got {self.max_restarts!r}")
         if self.inject_fault is not None:
             parse_fault(self.inject_fault, self.nproc, self.steps)
+
+    @property
+    def emulates_links(self) -> bool:
+        """Whether the run's links are emulated (``--nodes``, ``--intra-link`` or ``--inter-link`` given)."""
+        return any(v is not None for v in (self.nodes, self.intra_link, self.inter_link, self.distribution))
+
+    def _validate_links(self) -> None:
+        """The emulated topology (``dist.emulation``): nodes dividing nproc, links that parse, a time scale that is a
+        number > 0 or a known GPU, a straggler that exists; all before any rank starts, without measuring yet."""
+        if self.straggler is not None:
+            Straggler.parse(self.straggler, self.nproc)
+        if not self.emulates_links:
+            if self.time_scale is not None:
+                raise ValueError(f"time_scale={self.time_scale!r} scales emulated links: it needs --nodes N (or "
+                                 f"--intra-link / --inter-link)")
+            return
+        check_time_scale(self.time_scale)
+        LinkEmulation.build(self.nproc, 1 if self.nodes is None else self.nodes, self.intra_link or "nvlink",
+                            self.inter_link or "infiniband", 1.0, self.distribution or "block")
+
+    def link_emulation(self) -> LinkEmulation | None:
+        """The run's emulated links, None without; a GPU-named time scale is measured on this machine now."""
+        if not self.emulates_links:
+            return None
+        return LinkEmulation.build(self.nproc, 1 if self.nodes is None else self.nodes, self.intra_link or "nvlink",
+                                   self.inter_link or "infiniband",
+                                   resolve_time_scale(1.0 if self.time_scale is None else self.time_scale, self.nproc),
+                                   self.distribution or "block")
 
     def _validate_health(self) -> None:
         if self.on_spike not in SPIKE_ACTIONS:

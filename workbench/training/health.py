@@ -78,13 +78,29 @@ def check_disjoint(per_rank: Sequence[Sequence[int]], step: int) -> None:
             owner[w] = rank
 
 
-def stragglers(step_times: Sequence[Sequence[float]], factor: float = 1.2) -> dict[str, Any]:
-    """Each rank's median step time; ranks slower than ``factor`` x the median of medians are stragglers."""
-    medians = [statistics.median(times) if times else math.nan for times in step_times]
-    finite = [m for m in medians if math.isfinite(m)]
+def stragglers(step_times: Sequence[Sequence[float]], factor: float = 1.2,
+               compute_times: Sequence[Sequence[float]] | None = None) -> dict[str, Any]:
+    """Each rank's median step time; ranks slower than ``factor`` x the median of medians are stragglers.
+
+    In synchronous training every rank's step lasts as long as the slowest one's (they all wait for it at each
+    collective), so step times cannot name the straggler. With ``compute_times`` (each rank's forward, backward and
+    optimizer seconds per step) the verdict is made on those, and each rank's median wait (step minus compute) says
+    who waited for it and for how long."""
+    medians = _medians(step_times)
+    judged = medians if compute_times is None else _medians(compute_times)
+    finite = [m for m in judged if math.isfinite(m)]
     typical = statistics.median(finite) if finite else math.nan
-    slow = [r for r, m in enumerate(medians) if math.isfinite(m) and m > factor * typical]
-    return {"median_step_time_s": medians, "typical_s": typical, "factor": factor, "stragglers": slow}
+    slow = [r for r, m in enumerate(judged) if math.isfinite(m) and m > factor * typical]
+    out = {"median_step_time_s": medians, "typical_s": typical, "factor": factor, "stragglers": slow,
+           "judged_on": "step_time" if compute_times is None else "compute"}
+    if compute_times is not None:
+        out["median_compute_s"] = judged
+        out["median_wait_s"] = [s - c for s, c in zip(medians, judged, strict=True)]
+    return out
+
+
+def _medians(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    return [statistics.median(times) if times else math.nan for times in per_rank]
 
 
 @dataclass

@@ -142,6 +142,8 @@ class Trainer:
             tracer.probe_memory = tracer.enabled or not self._memory_probed
             self._memory_probed = True
         t0 = time.time()
+        if tracer is not None:
+            tracer.take_compute_s()  # this step's compute starts from zero
         lr = lr_at(self.step_index, cfg)
         for group in s.optimizer.param_groups:
             group["lr"] = lr
@@ -167,6 +169,8 @@ class Trainer:
         metrics = {"step": self.step_index, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "step_time_s": elapsed, "data_wait_s": data_wait, "tokens_per_s": self.tokens_per_step / elapsed,
                    "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"]}
+        if tracer is not None:  # this rank's forward, backward and optimizer; the rest of the step it waited
+            metrics["compute_s"] = tracer.take_compute_s()
         if tracer is not None:
             tracer.record_metrics(metrics)
         self.step_index += 1

@@ -184,6 +184,8 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
     parts.append(_table(comm_table(traces, step=last_traced, group_labels=summary.get("comm_groups"))))
     comm = comm_vs_theory(summary, traces)
     parts += comm_section(comm)
+    parts += links_section(summary)
+    parts += rank_time_section(summary)
     parts += memory_section(traces)
     memory = memory_vs_theory(summary, traces)
     parts += memory_theory_section(memory)
@@ -237,6 +239,37 @@ def checkpoint_sentences(summary: dict[str, Any]) -> list[str]:
                  "reason": r.get("reason", "")} for r in restarts]
         parts += ["<h3>restarts (dashed lines on the loss curve)</h3>", _table(rows)]
     return parts
+
+
+def rank_time_section(summary: dict[str, Any]) -> list[str]:
+    """Per rank: median step, compute (forward, backward, optimizer) and waiting, so a straggler and the ranks that
+    waited for it are named (in synchronous training every rank's step lasts as long as the slowest one's)."""
+    found = (summary.get("health") or {}).get("stragglers") or {}
+    if "median_compute_s" not in found:
+        return []
+    config = summary.get("config") or {}
+    rows = [{"rank": r, "step (s)": step, "computing (s)": compute, "waiting (s)": wait}
+            for r, (step, compute, wait) in enumerate(zip(found["median_step_time_s"], found["median_compute_s"],
+                                                         found["median_wait_s"], strict=True))]
+    slow = found.get("stragglers") or []
+    verdict = (f"rank(s) {', '.join(map(str, slow))} computed more than {found['factor']:g}x the typical "
+               f"{found['typical_s']:.3f} s per step; the others waited for them"
+               if slow else "no rank computed much longer than the others")
+    planted = f" (emulated: {html.escape(config['straggler'])})" if config.get("straggler") else ""
+    return ["<h2>per-rank step time: computing vs waiting</h2>", f"<p>{html.escape(verdict)}{planted}.</p>",
+            _table(rows)]
+
+
+def links_section(summary: dict[str, Any]) -> list[str]:
+    """Emulated links (``--nodes``): the topology and, per link class, rank 0's bytes with modelled and measured
+    seconds, all of it emulated time."""
+    links = summary.get("links")
+    if not links:
+        return []
+    rows = [{"link": name, "ops": row["ops"], "bus MB": row["bus_bytes"] / 1e6, "modelled (s)": row["modelled_s"],
+             "measured (s)": row["measured_s"]} for name, row in sorted(links["rank0_by_link"].items())]
+    return ["<h2>emulated links (rank 0's collectives and messages; times are emulated)</h2>",
+            f"<p>{html.escape(links['describe'])}.</p>", _table(rows)]
 
 
 def config_section(summary: dict[str, Any]) -> list[str]:
