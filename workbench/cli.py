@@ -261,6 +261,34 @@ def _calc_parser(sub: Any) -> None:
                        help=f"{axis} axis link: a preset (nvlink, pcie, infiniband, ethernet) or bandwidth (GB/s) "
                             f"and latency (µs) as GBPS,US; default {link.name}, or the topology's with --nodes")
     _calc_topology_flags(p)
+    _calc_scaling_flags(p)
+
+
+def _worlds(text: str) -> list[int]:
+    try:
+        worlds = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU counts separated by commas, e.g. 8,64,512,1024; "
+                                         f"got {text!r}") from None
+    if not worlds or any(w < 1 for w in worlds):
+        raise argparse.ArgumentTypeError(f"GPU counts must be >= 1, got {text!r}")
+    return worlds
+
+
+def _calc_scaling_flags(p: argparse.ArgumentParser) -> None:
+    """``--scaling``: data-parallel efficiency at other world sizes (``theory.scaling``), with its assumptions."""
+    from workbench.theory.topology import GPU_PEAK_FLOPS
+
+    p.add_argument("--scaling", type=_worlds, default=None, metavar="N,N,...",
+                   help="data-parallel scaling efficiency at these GPU counts (weak: the per-rank batch fixed; "
+                        "strong: the global batch fixed), over --nodes' links (needs --batch-size)")
+    p.add_argument("--gpu", choices=sorted(GPU_PEAK_FLOPS), default="h100-bf16",
+                   help="the GPU whose dense peak prices a step's compute for --scaling (default h100-bf16)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for --scaling (default 0.4)")
+    p.add_argument("--overlap", type=float, default=0.0,
+                   help="share of the gradient all-reduce hidden behind the backward for --scaling (default 0)")
+    p.add_argument("--allreduce", choices=("ring", "hierarchical"), default="ring",
+                   help="the data-parallel all-reduce --scaling prices (default ring)")
 
 
 def _calc_topology_flags(p: argparse.ArgumentParser) -> None:
@@ -326,6 +354,8 @@ def _calc(args: argparse.Namespace) -> None:
     if placement:
         print(f"topology: {placement}")
     _print_calc_pipeline_and_comm(table, layout)
+    if args.scaling:
+        _print_scaling(args, layout, table, links)
 
 
 def _calc_links(args: argparse.Namespace, layout: Any) -> tuple[dict[str, Any], str | None]:
@@ -384,6 +414,50 @@ def _print_calc_pipeline_and_comm(table: dict[str, Any], layout: Any) -> None:
         print(f"  {axis}  {c['group_size']:>4} ranks  {c['wire_bytes'] / 1e9:10.3f} GB sent per rank  "
               f"{c['time_s'] * 1e3:10.2f} ms  [{c['link']['name']}]")
     print(f"  {'total':<45}{comm['total_time_s'] * 1e3:10.2f} ms")
+
+
+def _print_scaling(args: argparse.Namespace, layout: Any, table: dict[str, Any], links: dict[str, Any]) -> None:
+    """Weak and strong data-parallel efficiency at ``--scaling``'s GPU counts, the assumptions printed first."""
+    from workbench.theory.models import MODEL_PRESETS
+    from workbench.theory.scaling import scaling_curve
+    from workbench.theory.topology import GPU_PEAK_FLOPS, LINK_PRESETS
+
+    if args.batch_size is None:
+        raise ValueError("--scaling prices each step's compute from the tokens per rank: pass --batch-size")
+    if not 0 < args.mfu <= 1 or not 0 <= args.overlap <= 1:
+        raise ValueError(f"--mfu must be in (0, 1] and --overlap in [0, 1], got {args.mfu} and {args.overlap}")
+    model_parallel = layout.tp * layout.pp
+    seq = args.seq_len or MODEL_PRESETS[args.model]["seq_len"]
+    shard = table["n_params"] / model_parallel  # parameters (and gradients) per rank
+    compute = 6 * shard * (args.batch_size / layout.dp) * seq / (GPU_PEAK_FLOPS[args.gpu] * args.mfu)
+    grad_bytes = shard * (2 if "16" in args.precision else 4)
+    per_node = layout.nproc // (args.nodes or 1) if args.nodes else 8
+    dp_per_node = max(1, per_node // model_parallel)
+    intra, inter = args.intra_link or LINK_PRESETS["nvlink"], args.inter_link or LINK_PRESETS["infiniband"]
+    print(f"scaling (α-β, theory.scaling): data parallel over tp x pp = {model_parallel}; compute {args.gpu} at "
+          f"{args.mfu:.0%} MFU = {compute:.3f} s per step; {grad_bytes / 1e9:.2f} GB of gradients all-reduced per "
+          f"rank ({args.allreduce}), {args.overlap:.0%} of it overlapped; {per_node} GPUs per node, intra "
+          f"{intra.name}, inter {inter.name}")
+    worlds = [w for w in args.scaling if w % model_parallel == 0]
+    dps = [w // model_parallel for w in worlds]
+    common = dict(grad_bytes=grad_bytes, ranks_per_node=dp_per_node, intra=intra, inter=inter, overlap=args.overlap,
+                  algorithm=args.allreduce)
+    try:
+        weak = scaling_curve(compute, worlds=dps, mode="weak", **common)
+        strong = scaling_curve(compute * layout.dp, worlds=dps, mode="strong", **common)
+    except ValueError as exc:
+        raise ValueError(f"--scaling: {exc} (GPU counts are dp x tp x pp; use multiples of {per_node})") from None
+    print(f"  {'GPUs':>6} {'nodes':>6} {'all-reduce':>11} {'weak eff':>9} {'strong eff':>11}")
+    for world, dp, w, s in zip(worlds, dps, weak, strong, strict=True):
+        nodes = max(1, world // per_node)
+        # strong scaling splits the global batch: past one sequence per data-parallel rank there is nothing to split
+        strong_eff = f"{s.efficiency:>11.1%}" if dp <= args.batch_size else f"{'n/a':>11}"
+        print(f"  {world:>6} {nodes:>6} {w.allreduce_s * 1e3:>8.1f} ms {w.efficiency:>9.1%} {strong_eff}")
+    if any(dp > args.batch_size for dp in dps):
+        print(f"  (strong n/a: more data-parallel ranks than the {args.batch_size} sequences of --batch-size)")
+    skipped = [w for w in args.scaling if w % model_parallel]
+    if skipped:
+        print(f"  (left out: {', '.join(map(str, skipped))}, not multiples of tp x pp = {model_parallel})")
 
 
 def _bench(rest: list[str]) -> int:
