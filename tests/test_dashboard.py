@@ -25,7 +25,8 @@ N_SCALARS = len(SCALARS)
 def _metrics(rank: int, step: int, attempt: int = 0) -> dict:
     """What train._streamed sends: rank 1 is the straggler and reports other scalars than rank 0."""
     return {"step": step, "loss": 5.0 - step + 10 * rank, "grad_norm": 1.0 + step, "lr": 1e-3 * (step + 1),
-            "step_time_s": 0.1 * (rank + 1), "tokens_per_s": 1000.0 + step, "rank": rank, "attempt": attempt,
+            "step_time_s": 0.1 * (rank + 1), "compute_s": 0.05 * (rank + 1), "tokens_per_s": 1000.0 + step,
+            "rank": rank, "attempt": attempt,
             "memory_peak": {"parameters": 2 * MIB, "activations": (step + 1) * MIB * (rank + 1)},
             "comm_bytes": {"all_reduce": MIB, **({"broadcast": 3 * MIB} if step == 0 else {})}}
 
@@ -52,13 +53,17 @@ def test_update_fills_every_panel() -> None:
     # one step-time line per rank: the straggler stands out
     assert list(data[N_SCALARS].y) == pytest.approx([0.1] * 3)
     assert list(data[N_SCALARS + 1].y) == pytest.approx([0.2] * 3)
+    # dotted beside them, each rank's compute time: the rest of its step it waited
+    assert data[N_SCALARS + 2].name == "rank 0 computing" and data[N_SCALARS + 2].line.dash == "dot"
+    assert list(data[N_SCALARS + 2].y) == pytest.approx([0.05] * 3)
+    assert list(data[N_SCALARS + 3].y) == pytest.approx([0.1] * 3)
     # memory: the latest ledger peaks, stacked by category, one bar per rank, in MiB
-    memory = {data[N_SCALARS + 2 + i].name: list(data[N_SCALARS + 2 + i].y) for i in range(len(MEMORY_CATEGORIES))}
+    memory = {data[N_SCALARS + 4 + i].name: list(data[N_SCALARS + 4 + i].y) for i in range(len(MEMORY_CATEGORIES))}
     assert set(memory) == set(MEMORY_CATEGORIES)
     assert memory["parameters"] == [2.0, 2.0] and memory["activations"] == [3.0, 6.0]
     assert memory["gradients"] == [0.0, 0.0]
     # bytes per collective, summed over steps, one stacked bar per rank
-    comm = data[N_SCALARS + 2 + len(MEMORY_CATEGORIES):]
+    comm = data[N_SCALARS + 4 + len(MEMORY_CATEGORIES):]
     assert [t.name for t in comm] == ["rank 0", "rank 1"]
     assert list(comm[0].x) == ["all_reduce", "broadcast"] and list(comm[0].y) == [3.0, 3.0]
     assert board.figure.layout.barmode == "stack"

@@ -18,10 +18,12 @@ Headless (papermill, nbval, a script) the same call trains in the calling thread
 draws the same panels once, as a static figure, at the end; the handle it returns is already done.
 
 What the panels show comes from ``on_metrics(rank, metrics)`` (``train._streamed``), called in this process after
-every step of every rank: rank 0's loss, grad-norm, lr and tokens/s; every rank's step time (one line per rank, so a
-straggler stands out); every rank's ledger peaks by memory category (stacked bars); the bytes each rank's collectives
-moved, per collective type, summed over the steps so far. A fast run reports many steps a second, so the figure is
-redrawn at most every ``min_interval_s`` (0.25 s: a few redraws a second), in one ``batch_update`` message each.
+every step of every rank: rank 0's loss, grad-norm, lr and tokens/s; every rank's step time (one line per rank) and,
+dotted, its compute time (synchronous steps all last as long as the slowest rank's: the straggler is the rank whose
+compute fills its step, the gap above the others' dotted lines is their waiting); every rank's ledger peaks by memory
+category (stacked bars); the bytes each rank's collectives moved, per collective type, summed over the steps so far.
+A fast run reports many steps a second, so the figure is redrawn at most every ``min_interval_s`` (0.25 s: a few
+redraws a second), in one ``batch_update`` message each.
 
 Stop writes a file that rank 0 checks after each step (``train.StopSignal``); all ranks then leave the loop at the
 same step, the launcher reaps them, and ``run_training`` writes what was trained (summary, report, a checkpoint if
@@ -113,6 +115,7 @@ class Dashboard(widgets.VBox):
         self._lock = threading.RLock()  # update() runs in the training thread, the click in the kernel's
         self.scalars: dict[str, dict[int, float]] = {key: {} for key in SCALARS}  # step -> value, rank 0
         self.step_time: list[dict[int, float]] = [{} for _ in range(nproc)]
+        self.compute_time: list[dict[int, float]] = [{} for _ in range(nproc)]  # forward + backward + optimizer
         self.memory: list[dict[str, int]] = [{} for _ in range(nproc)]  # ledger peaks so far, per rank
         self.comm_bytes: list[dict[str, int]] = [{} for _ in range(nproc)]  # bytes per op, summed over steps
         self.last_step, self.attempt, self.stop_requested = -1, 0, False
@@ -148,6 +151,8 @@ class Dashboard(widgets.VBox):
     def _record(self, rank: int, m: dict[str, Any]) -> None:
         step = int(m["step"])
         self.step_time[rank][step] = float(m.get("step_time_s", float("nan")))
+        if m.get("compute_s") is not None:
+            self.compute_time[rank][step] = float(m["compute_s"])
         self.memory[rank] = dict(m.get("memory_peak") or self.memory[rank])
         for op, nbytes in (m.get("comm_bytes") or {}).items():
             self.comm_bytes[rank][op] = self.comm_bytes[rank].get(op, 0) + int(nbytes)
@@ -182,6 +187,11 @@ class Dashboard(widgets.VBox):
             steps = sorted(self.step_time[rank])
             fig.data[base + rank].x = steps
             fig.data[base + rank].y = [self.step_time[rank][s] for s in steps]
+        base += self.nproc
+        for rank in range(self.nproc):
+            steps = sorted(self.compute_time[rank])
+            fig.data[base + rank].x = steps
+            fig.data[base + rank].y = [self.compute_time[rank][s] for s in steps]
         base += self.nproc
         for i, category in enumerate(MEMORY_CATEGORIES):
             fig.data[base + i].y = [to_unit(self.memory[r].get(category, 0), UNIT) for r in range(self.nproc)]
@@ -249,7 +259,8 @@ def _panels(nproc: int, widget: bool) -> go.Figure:
     only replace their x and y."""
     fig = make_subplots(rows=4, cols=2, vertical_spacing=0.09, horizontal_spacing=0.1,
                         specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None], [{}, {}]],
-                        subplot_titles=[*SCALARS.values(), "step time per rank (s)",
+                        subplot_titles=[*SCALARS.values(),
+                                        "step time per rank (s); dotted: computing, the gap above it waiting",
                                         f"memory peak ({UNIT})", f"bytes per collective ({UNIT})"])
     for i, (key, title) in enumerate(SCALARS.items()):
         fig.add_scatter(x=[], y=[], mode="lines", name=title, showlegend=False, line_color="#444",
@@ -257,6 +268,10 @@ def _panels(nproc: int, widget: bool) -> go.Figure:
     for rank in range(nproc):
         fig.add_scatter(x=[], y=[], mode="lines+markers", marker_size=3, name=f"rank {rank}",
                         legendgroup=f"rank {rank}", line_color=_rank_color(rank), row=3, col=1)
+    for rank in range(nproc):  # synchronous steps all last as long; compute says who the others waited for
+        fig.add_scatter(x=[], y=[], mode="lines", name=f"rank {rank} computing", legendgroup=f"rank {rank}",
+                        showlegend=False, line={"color": _rank_color(rank), "dash": "dot"}, row=3, col=1,
+                        hovertemplate=f"step %{{x}}<br>rank {rank} computing %{{y:.3g}} s<extra></extra>")
     ranks = [f"rank {r}" for r in range(nproc)]
     for category in MEMORY_CATEGORIES:
         fig.add_bar(x=ranks, y=[0.0] * nproc, name=category, marker_color=category_color(category), row=4, col=1,
