@@ -1,0 +1,146 @@
+"""A real shaped link (workbench.dist.netns, issue 20): the emulation's times hold where the bytes really cross one.
+
+Two network namespaces (one per node) joined by a veth pair with a tbf token bucket on both ends; ranks of each
+node run inside their namespace. Needs root, iproute2 and tbf: where any is missing (a CI runner without the
+rights) these tests skip with the reason ``unavailable_reason()`` gives, except the ones that need none of it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from workbench.dist import comm, netns
+from workbench.dist.launch import RankError
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = {"256KiB": 256 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20}  # the benchmark goes on to 64 MiB
+# The bound (netns.agreement_bound), for predicted / real and emulated / real: within 1 +- (10 % + 8 ms / T), T the
+# op's time over the real link.
+# * 10 %, relative to T: what the α-β model leaves out. It has no term for the all-reduce's arithmetic and copies:
+#   with no shaping at all, four ranks on two busy cores take 20 ms for 4 MiB, 320 ms for 64 MiB (~8 % of the shaped
+#   time at every size, as both grow with the bytes), and gloo's ring does part of it between transfers (measured:
+#   3-7 % slower than the link fitted on a one-way send; a send, with nothing to add, within 1 %). A bucket refilled
+#   during a pause lets its 8 KiB burst through at once (3 % of 256 KiB); the rate drifts by a % or two between the
+#   fit and the measurement.
+# * 8 ms, relative to T: four ranks, this test runner and other users share two cores, so a rank waits ~3-4 ms for a
+#   core now and then (with no shaping at all, a 256 KiB all-reduce takes a median 10 ms here, 4 to 95 ms), and an
+#   all-reduce has six ring steps to wait at; not all of it overlaps the link's time, even in a median (measured: the
+#   256 KiB all-reduce's median 1 to 7.5 ms over the model in a dozen runs; one run of the test failed with a 4 ms
+#   allowance). It dominates at 256 KiB (T ~ 20 ms: +-50 %), and fades by 4 MiB (T ~ 275 ms: +-13 %). The
+#   emulation's ~1 ms wake-up after its sleep fits in it too.
+# Measured on this machine, busy (predicted / real): send 0.99..1.05 at every size; all-reduce 0.76..0.91 at 256 KiB,
+# 0.93..0.94 at 1 MiB, 0.93..0.97 at 4 MiB to 64 MiB. What this rules out: the loopback's speed (ratio < 0.1) at every
+# size, and from 1 MiB on (+-21 %) a ring all-reduce priced as one message (1 / 1.5 = 0.67) or as 2 S / B (1.33).
+
+
+@pytest.fixture(scope="module")
+def usable() -> None:
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def link(usable: None) -> Iterator[netns.ShapedLink]:
+    with netns.shaped_link() as shaped:
+        yield shaped
+    assert netns.leftovers(shaped) == []
+
+
+@pytest.fixture(scope="module")
+def comparison(link: netns.ShapedLink) -> netns.Comparison:
+    return netns.compare(link, SIZES, reps=2, timeout=100)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Without the rights
+
+
+def test_unavailable_reason_names_root_for_a_normal_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000, raising=False)
+    reason = netns.unavailable_reason()
+    assert reason is not None and "root" in reason and "\n" not in reason
+
+
+def test_token_bucket_is_given_in_bits_with_burst_and_limit_in_bytes() -> None:
+    bucket = netns.TokenBucket.for_rate(25e6)
+    assert bucket.tc_args() == ["tbf", "rate", "200000000bit", "burst", "8192", "limit", str(4 << 20)]
+    assert netns.TokenBucket.for_rate(1e9).burst == 250_000  # 0.25 ms of a fast link
+    assert netns.size_label(256 << 10) == "256KiB" and netns.size_label(64 << 20) == "64MiB"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# With them
+
+
+def _interfaces() -> set[str]:
+    return {name for _, name in socket.if_nameindex()}
+
+
+def test_each_nodes_ranks_live_in_that_nodes_namespace(link: netns.ShapedLink) -> None:
+    seen = netns.run_ranks(_interfaces, 4, link, timeout=60)
+    assert seen[0] == seen[1] == {"lo", link.interfaces[0]}
+    assert seen[2] == seen[3] == {"lo", link.interfaces[1]}
+    assert link.interfaces[0] not in _interfaces()  # the machine's own namespace never sees the pair
+
+
+def test_shaped_link_times_agree_with_the_emulation(comparison: netns.Comparison) -> None:
+    # The link really is shaped: gloo's bandwidth sits just under the tbf rate (headers take ~4 %), not at the
+    # loopback's GB/s, so the agreement below is about the link.
+    assert 0.85 * comparison.bucket.rate <= comparison.link.bandwidth <= comparison.bucket.rate
+    for timing in comparison.timings:
+        assert timing.allowed == netns.agreement_bound(timing.shaped_s)
+        assert abs(timing.ratio - 1) <= timing.allowed, timing.describe()
+        assert abs(timing.emulated_s / timing.shaped_s - 1) <= timing.allowed, timing.describe()
+        assert timing.within_bound()
+
+
+def _fail_on_rank_three() -> None:
+    if dist.get_rank() == 3:
+        raise ValueError("boom")
+    comm.barrier()  # the others wait for rank 3, which never comes
+
+
+def _sleep() -> None:
+    time.sleep(60)
+
+
+def test_a_failing_or_stuck_rank_stops_every_rank(link: netns.ShapedLink) -> None:
+    with pytest.raises(RankError, match="rank 3 failed: ValueError: boom"):
+        netns.run_ranks(_fail_on_rank_three, 4, link, timeout=30)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="timeout=3s"):
+        netns.run_ranks(_sleep, 2, link, timeout=3)
+    assert time.monotonic() - start < 15
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("workbench-netns-rank")]
+
+
+def test_teardown_leaves_nothing_behind_after_an_error(usable: None) -> None:
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with netns.shaped_link() as shaped:
+            assert netns.leftovers(shaped) == list(shaped.namespaces)  # the veth ends are inside them
+            raise RuntimeError("inside the block")
+    assert netns.leftovers(shaped) == []
+
+
+def test_namespaces_of_a_killed_process_are_removed(usable: None) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid now names no process
+    stale = f"wb{gone.pid}x0-node0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in netns.remove_stale()
+    finally:
+        subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
+    assert not (netns.NETNS_DIR / stale).exists()
