@@ -144,3 +144,44 @@ def test_namespaces_of_a_killed_process_are_removed(usable: None) -> None:
     finally:
         subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
     assert not (netns.NETNS_DIR / stale).exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `workbench run --netns`: the same training over the real shaped link
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(netns=True), "pass --nodes 2"),
+    (dict(netns=True, nodes=2), "give --inter-link GBPS,US with GBPS <= 1"),
+    (dict(netns=True, nodes=2, inter_link="ethernet"), "GBPS <= 1 .* got 'ethernet'"),
+    (dict(netns=True, nodes=2, inter_link="0.05,0", time_scale=2), "leave out time_scale=2"),
+    (dict(netns=True, nodes=2, inter_link="0.05,0", max_restarts=1), "leave out max_restarts"),
+])
+def test_netns_runs_refuse_what_they_cannot_do(flags: dict, message: str) -> None:
+    from workbench.training.config import RunConfig
+
+    with pytest.raises(ValueError, match=message):
+        RunConfig(nproc=2, steps=2, batch_size=8, seq_len=32, **flags)
+
+
+def test_netns_without_the_rights_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench.run import run_training
+    from workbench.training.config import RunConfig
+
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: "not root (euid 1000): namespaces need root")
+    cfg = RunConfig(nproc=2, steps=2, batch_size=8, seq_len=32, nodes=2, inter_link="0.05,0", netns=True)
+    with pytest.raises(ValueError, match="--netns needs network namespaces and tc tbf.*not root"):
+        run_training(cfg, progress=False)
+
+
+def test_a_run_over_the_real_link_trains_the_same_numbers(usable: None, tmp_path) -> None:
+    from workbench.run import run_training
+    from workbench.training.config import RunConfig
+
+    small = dict(nproc=2, steps=2, batch_size=8, seq_len=32)
+    plain = run_training(RunConfig(**small), progress=False)
+    shaped = run_training(RunConfig(**small, nodes=2, inter_link="0.05,0", netns=True), out=tmp_path,
+                          progress=False)
+    assert shaped["final_params_sha256"] == plain["final_params_sha256"]
+    assert shaped["links"]["netns"] and "shaped with tc tbf to 50 MB/s" in shaped["links"]["describe"]
+    assert "a real shaped link" in (tmp_path / "report.html").read_text()

@@ -67,19 +67,54 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
         prepare_resume(cfg)
     links = cfg.link_emulation()
     try:
-        results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report, device=cfg.device,
-                         backend=cfg.backend, port=cfg.port, max_restarts=cfg.max_restarts, straggler=cfg.straggler,
-                         **_link_keywords(links))
+        if cfg.netns:
+            results = _run_on_shaped_link(cfg)
+        else:
+            results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report,
+                             device=cfg.device, backend=cfg.backend, port=cfg.port, max_restarts=cfg.max_restarts,
+                             straggler=cfg.straggler, **_link_keywords(links))
     finally:
         bar.close()
     summary = summarize(cfg, results[0], results.traces)
     if links is not None:
         summary["links"] = links_summary(links, results.traces)
+    if cfg.netns:
+        summary["links"] = _netns_summary(cfg)
     if results.restarts:
         summary["restarts"] = _restart_log(results.restarts, streamed, summary)
     if out is not None and lead:
         write_outputs(Path(out), summary, results.traces)
     return summary
+
+
+def _run_on_shaped_link(cfg: RunConfig) -> Any:
+    """``--netns``: the ranks of each node in a network namespace of their own, joined by a real link shaped with tc
+    tbf to the inter-node bandwidth (``workbench.dist.netns``); refused, naming what is missing, without root."""
+    from workbench.dist import netns
+    from workbench.training.trainer import train_rank
+
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"--netns needs network namespaces and tc tbf, which this process cannot use: {reason}")
+    rate = _netns_rate(cfg)
+    # the whole run's bound: every step may take up to the collective timeout (a hung collective fails sooner)
+    return netns.launch_shaped(train_rank, cfg.nproc, rate, cfg, timeout=cfg.timeout * (cfg.steps + 5),
+                               group_timeout=cfg.timeout)
+
+
+def _netns_rate(cfg: RunConfig) -> float:
+    from workbench.theory.topology import parse_link
+
+    return parse_link(cfg.inter_link).bandwidth
+
+
+def _netns_summary(cfg: RunConfig) -> dict[str, Any]:
+    rate = _netns_rate(cfg)
+    return {"netns": True, "emulated": False, "nodes": 2, "ranks_per_node": cfg.nproc // 2, "rate_Bps": rate,
+            "describe": f"2 nodes x {cfg.nproc // 2} ranks in network namespaces of their own, joined by a veth pair "
+                        f"shaped with tc tbf to {rate / 1e6:g} MB/s each way (real time, not emulated; the latency "
+                        f"is the real link's, not the spec's)",
+            "rank0_by_link": {}}
 
 
 def _link_keywords(links: LinkEmulation | None) -> dict[str, Any]:

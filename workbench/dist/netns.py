@@ -54,7 +54,9 @@ import torch.distributed as dist
 from workbench.dist import comm
 from workbench.dist.emulation import LinkEmulation
 from workbench.dist.launch import (
+    TIMEOUT_ENV,
     RankError,
+    RankResults,
     death_error,
     exit_when_parent_dies,
     launch,
@@ -296,10 +298,11 @@ class RankPlan:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, link: ShapedLink, *args: Any, timeout: float = 120.0,
-              **kwargs: Any) -> list[Any]:
+              group_timeout: float | None = None, **kwargs: Any) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks, half in each node's namespace; their results in
     rank order. ``fn`` travels by value (cloudpickle). ``timeout`` bounds the whole call: a rank that fails, dies
-    or is not done by then makes all ranks stop (``RankError`` or ``TimeoutError``)."""
+    or is not done by then makes all ranks stop (``RankError`` or ``TimeoutError``); ``group_timeout`` bounds each
+    collective (default: ``timeout``)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2 or world_size % 2:
         raise ValueError(f"world_size must be an even int >= 2 (half the ranks on each node), got {world_size!r}")
     ctx = mp_context()  # the forkserver launch uses: ranks start without re-importing torch
@@ -311,7 +314,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, link: ShapedLink, *args: 
         with main_not_reimported():
             for rank in range(world_size):
                 node = link.node_of(rank, world_size)
-                plan = RankPlan(rank, world_size, link.namespaces[node], link.interfaces[node], port, timeout)
+                plan = RankPlan(rank, world_size, link.namespaces[node], link.interfaces[node], port,
+                                timeout if group_timeout is None else group_timeout)
                 proc = ctx.Process(target=_rank_main, args=(plan, payload, messages, os.getpid()),
                                    name=f"workbench-netns-rank{rank}", daemon=True)
                 proc.start()
@@ -344,6 +348,25 @@ def _collect(procs: list[Any], messages: Any, deadline: float, timeout: float) -
     return [results[rank] for rank in range(len(procs))]
 
 
+def launch_shaped(fn: Callable[..., Any], world_size: int, rate: float, *args: Any, timeout: float = 600.0,
+                  group_timeout: float = 120.0, **kwargs: Any) -> RankResults:
+    """``launch`` over a real shaped link (``workbench run --netns``): ``fn`` on ``world_size`` ranks, the first half
+    in node 0's namespace and the rest in node 1's, joined by a veth pair shaped to ``rate`` bytes/s each way; each
+    rank traced as under ``launch``, no emulation (the link itself is slow). Needs root: see ``unavailable_reason``."""
+    with shaped_link(rate) as link:
+        pairs = run_ranks(_traced_call, world_size, link, fn, args, kwargs, timeout=timeout,
+                          group_timeout=group_timeout)
+    return RankResults([value for value, _ in pairs], [t for _, t in pairs])
+
+
+def _traced_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    from workbench import trace
+
+    with trace.tracing(rank=dist.get_rank(), world_size=dist.get_world_size()) as tracer:
+        result = fn(*args, **kwargs)
+    return result, tracer.trace
+
+
 def _rank_main(plan: RankPlan, payload: bytes, messages: Any, parent_pid: int) -> None:
     ok = False
     relay = _drop_stderr_lines(_RESOLVER_NOISE)  # its thread stays outside the namespace: it makes no socket
@@ -351,6 +374,7 @@ def _rank_main(plan: RankPlan, payload: bytes, messages: Any, parent_pid: int) -
         enter_namespace(plan.namespace)  # first: the store's and gloo's sockets must be born in it
         exit_when_parent_dies(parent_pid)
         os.environ["GLOO_SOCKET_IFNAME"] = plan.interface  # gloo advertises the address the other node reaches
+        os.environ[TIMEOUT_ENV] = str(plan.timeout)  # sub-groups (a Mesh's) get the same collective timeout
         torch.set_num_threads(1)  # 4 ranks on a 2-core machine: more threads only fight over the cores
         fn, args, kwargs = cloudpickle.loads(payload)
         _init_group(plan)

@@ -27,6 +27,9 @@ from workbench.training.health import SPIKE_ACTIONS, SpikeDetector, split_window
 
 S = TypeVar("S")
 
+#: The fastest link ``netns`` will shape (bytes/s): the loopback under it moves a few GB/s at most on a small machine.
+NETNS_MAX_RATE = 1e9
+
 
 @dataclass
 class RunConfig:
@@ -84,6 +87,7 @@ class RunConfig:
     inter_link: str | None = None  # link between nodes; default infiniband
     time_scale: float | str | None = None  # emulated seconds x this; a GPU name (h100-bf16) measures it; default 1
     distribution: str | None = None  # emulated nodes: block (node-major, the default) or cyclic (round-robin)
+    netns: bool = False  # run the 2 nodes' ranks in network namespaces joined by a real tbf-shaped link (root)
     straggler: str | None = None  # rank=R:factor=F: rank R computes F times slower (dist.emulation.Straggler)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -168,6 +172,9 @@ class RunConfig:
         number > 0 or a known GPU, a straggler that exists; all before any rank starts, without measuring yet."""
         if self.straggler is not None:
             Straggler.parse(self.straggler, self.nproc)
+        if self.netns:
+            self._validate_netns()
+            return
         if not self.emulates_links:
             if self.time_scale is not None:
                 raise ValueError(f"time_scale={self.time_scale!r} scales emulated links: it needs --nodes N (or "
@@ -177,9 +184,29 @@ class RunConfig:
         LinkEmulation.build(self.nproc, 1 if self.nodes is None else self.nodes, self.intra_link or "nvlink",
                             self.inter_link or "infiniband", 1.0, self.distribution or "block")
 
+    def _validate_netns(self) -> None:
+        """``--netns`` runs the ranks over a real link (``dist.netns``): 2 nodes, gloo, one shaped rate; what it cannot
+        do is refused here (whether this machine lets us build it is checked when the run starts)."""
+        if self.nodes != 2:
+            raise ValueError(f"netns runs the ranks as 2 nodes in network namespaces of their own: pass --nodes 2 "
+                             f"(got nodes={self.nodes})")
+        rate = None if self.inter_link is None else LinkEmulation.build(2, 2, inter_link=self.inter_link).topology.inter
+        if rate is None or rate.bandwidth > NETNS_MAX_RATE:
+            raise ValueError(f"netns shapes the real link between the nodes with tc tbf: give --inter-link GBPS,US "
+                             f"with GBPS <= {NETNS_MAX_RATE / 1e9:g} (the loopback underneath is no faster), got "
+                             f"{self.inter_link!r}")
+        unsupported = {"time_scale": self.time_scale, "straggler": self.straggler, "distribution": self.distribution,
+                       "intra_link": self.intra_link}
+        given = [f"{k}={v!r}" for k, v in unsupported.items() if v is not None]
+        given += ["max_restarts"] if self.max_restarts else []
+        given += ["device=cuda"] if self.device == "cuda" else []
+        if given:
+            raise ValueError(f"netns runs gloo ranks on a real link with no emulation and no restarts; leave out "
+                             f"{', '.join(given)}")
+
     def link_emulation(self) -> LinkEmulation | None:
         """The run's emulated links, None without; a GPU-named time scale is measured on this machine now."""
-        if not self.emulates_links:
+        if not self.emulates_links or self.netns:  # netns: the link is real, nothing to emulate
             return None
         return LinkEmulation.build(self.nproc, 1 if self.nodes is None else self.nodes, self.intra_link or "nvlink",
                                    self.inter_link or "infiniband",

@@ -266,6 +266,8 @@ def links_section(summary: dict[str, Any]) -> list[str]:
     links = summary.get("links")
     if not links:
         return []
+    if links.get("netns"):  # a real shaped link: nothing was emulated, nothing modelled per op
+        return ["<h2>network: a real shaped link</h2>", f"<p>{html.escape(links['describe'])}.</p>"]
     rows = [{"link": name, "ops": row["ops"], "bus MB": row["bus_bytes"] / 1e6, "modelled (s)": row["modelled_s"],
              "measured (s)": row["measured_s"]} for name, row in sorted(links["rank0_by_link"].items())]
     return ["<h2>emulated links (rank 0's collectives and messages; times are emulated)</h2>",
