@@ -34,6 +34,7 @@ OVERRIDES: dict[str, dict] = {
     "08": {"STEPS": 3, "SWEEP_M": [2]},
     "09": {"STEPS": 2},
     "10": {"STEPS": 6, "FAULT_STEP": 3, "SAVE_REPEATS": 1},
+    "12": {"SIZES": [2 ** 14, 2 ** 22], "REPS": 2, "STEPS": 3, "SCALING_WORLDS": [1, 4]},
 }
 
 
