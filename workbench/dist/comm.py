@@ -171,7 +171,7 @@ def _p2p_link(peer: int, op: str, nbytes: int) -> tuple[emulation.LinkClock, str
 
 def _charge_send(tensor: torch.Tensor, dst: int, group: Any, t0: float) -> _Emulated | None:
     """The message arrives when the sender's link has carried it; the sender tells the receiver when, in a stamp
-    sent just ahead of the data (so both ends agree without a shared clock service)."""
+    sent just ahead of the data (the receiver cannot know when the sender issued it, nor what its link had queued)."""
     priced = _p2p_link(dst, "send", _nbytes(tensor))
     if priced is None:
         return None

@@ -190,7 +190,8 @@ def stamp(value: float, device: torch.device) -> torch.Tensor:
 
 def matmul_rate(seconds: float = 0.3, n: int = 512) -> float:
     """This process's measured float32 matmul rate, FLOP/s: repeated ``n`` x ``n`` products for ``seconds``."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    cpu = torch.device("cpu")  # the machine's rate: what the ranks here compute with
+    a, b = torch.randn(n, n, device=cpu), torch.randn(n, n, device=cpu)
     torch.mm(a, b)  # warm-up: first call pays allocation and kernel selection
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

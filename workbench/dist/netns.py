@@ -452,7 +452,7 @@ def time_ops(sizes: dict[str, int], reps: int, ops: tuple[str, ...] = ("all_redu
     rank, peer = dist.get_rank(), dist.get_world_size() // 2
     out: dict[str, dict[str, list[Span]]] = {}
     for label, nbytes in sizes.items():
-        x = torch.ones(max(1, nbytes // 4))
+        x = torch.ones(max(1, nbytes // 4), device="cpu")  # gloo ranks on the CPU
         steps = {"all_reduce": lambda x=x: comm.all_reduce(x),
                  "send": {0: lambda x=x: comm.send(x, peer), peer: lambda x=x: comm.recv(x, 0)}.get(rank)}
         out[label] = {op: [] for op in ops}
@@ -499,7 +499,7 @@ def measure_link(link: ShapedLink, reps: int = 60, timeout: float = 120.0) -> Li
 def _probe(reps: int) -> tuple[float, float] | None:
     """On rank 0: (lower quartile of a tiny message's half round trips, one-way seconds of ``PROBE_BYTES``)."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
-    tiny = torch.ones(TINY_BYTES // 4)
+    tiny = torch.ones(TINY_BYTES // 4, device="cpu")
     half_trips = []
     for rep in range(reps + 1):
         comm.barrier()

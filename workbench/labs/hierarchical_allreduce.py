@@ -97,9 +97,10 @@ def _on_rank(fn: Callable[..., Any], sizes: tuple[int, ...], timed_numel: int, r
 def _timed(fn: Callable[..., Any], intra: Any, inter: Any, numel: int, reps: int) -> dict[str, list]:
     """(start, end) of each rep of the learner's all-reduce and of comm.all_reduce, alternating."""
     from workbench.dist import comm
+    from workbench.dist.launch import rank_device
 
     spans: dict[str, list] = {"yours": [], "flat": []}
-    x = torch.ones(numel)
+    x = torch.ones(numel, device=rank_device())
     for _ in range(reps):
         for name in spans:
             comm.barrier()
