@@ -156,12 +156,13 @@ def test_namespaces_of_a_killed_process_are_removed(usable: None) -> None:
     (dict(netns=True, nodes=2, inter_link="ethernet"), "GBPS <= 1 .* got 'ethernet'"),
     (dict(netns=True, nodes=2, inter_link="0.05,0", time_scale=2), "leave out time_scale=2"),
     (dict(netns=True, nodes=2, inter_link="0.05,0", max_restarts=1), "leave out max_restarts"),
+    (dict(netns=True, nodes=2, inter_link="0.05,0", nproc=3, batch_size=9), "nodes=2 must divide the 3 ranks"),
 ])
 def test_netns_runs_refuse_what_they_cannot_do(flags: dict, message: str) -> None:
     from workbench.training.config import RunConfig
 
     with pytest.raises(ValueError, match=message):
-        RunConfig(nproc=2, steps=2, batch_size=8, seq_len=32, **flags)
+        RunConfig(**{"nproc": 2, "steps": 2, "batch_size": 8, "seq_len": 32, **flags})
 
 
 def test_netns_without_the_rights_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -190,8 +190,8 @@ class RunConfig:
         if self.nodes != 2:
             raise ValueError(f"netns runs the ranks as 2 nodes in network namespaces of their own: pass --nodes 2 "
                              f"(got nodes={self.nodes})")
-        rate = None if self.inter_link is None else LinkEmulation.build(2, 2, inter_link=self.inter_link).topology.inter
-        if rate is None or rate.bandwidth > NETNS_MAX_RATE:
+        rate = None if self.inter_link is None else LinkEmulation.build(self.nproc, 2, inter_link=self.inter_link)
+        if rate is None or rate.topology.inter.bandwidth > NETNS_MAX_RATE:
             raise ValueError(f"netns shapes the real link between the nodes with tc tbf: give --inter-link GBPS,US "
                              f"with GBPS <= {NETNS_MAX_RATE / 1e9:g} (the loopback underneath is no faster), got "
                              f"{self.inter_link!r}")
