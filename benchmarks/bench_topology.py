@@ -20,9 +20,7 @@ its wait for the others as link time. Medians over reps after one warm-up rep.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -30,6 +28,7 @@ import torch.distributed as dist
 
 from workbench import launch
 from workbench.dist import comm
+from workbench.dist.emulation import op_seconds, timed
 from workbench.parallel.collectives import hierarchical_all_reduce, hierarchical_groups, ring_all_reduce
 from workbench.theory.comm import hierarchical_allreduce_time, ring_allreduce_time
 from workbench.theory.topology import parse_link
@@ -44,21 +43,6 @@ HIER_INTRA, HIER_INTER = "1,100", "0.1,1000"  # the inter-node link is 10x slowe
 HIER_BYTES = 16 << 20
 
 
-def _span(per_rank: list[list[tuple[float, float]]]) -> float:
-    """Median over reps of the op's time: the last rank's end minus the last rank's start (ranks without the op
-    report None)."""
-    reps = len(next(r for r in per_rank if r))
-    spans = []
-    for i in range(reps):
-        taking_part = [r[i] for r in per_rank if r and r[i] is not None]
-        spans.append(max(t1 for _, t1 in taking_part) - max(t0 for t0, _ in taking_part))
-    return statistics.median(spans)
-
-
-def _timed(op: Any) -> tuple[float, float]:
-    t0 = time.time()
-    op()
-    return t0, time.time()
 
 
 def _time_ops(sizes: dict[str, int], reps: int) -> dict[str, dict[str, list]]:
@@ -70,10 +54,10 @@ def _time_ops(sizes: dict[str, int], reps: int) -> dict[str, dict[str, list]]:
         message = {0: lambda x=x: comm.send(x, 2), 2: lambda x=x: comm.recv(x, 0)}.get(rank)
         for rep in range(reps + 1):
             comm.barrier()
-            reduced = _timed(lambda x=x: comm.all_reduce(x))
+            reduced = timed(lambda x=x: comm.all_reduce(x))
             modelled = comm_last_modelled()
             comm.barrier()
-            sent = _timed(message) if message else None
+            sent = timed(message) if message else None
             if rep:  # the first rep warms up gloo's pairs and buffers
                 times["all_reduce"].append(reduced)
                 times["modelled_all_reduce"].append(modelled)
@@ -98,7 +82,7 @@ def accuracy_row(quick: bool) -> dict[str, Any]:
     measured_total = modelled_total = 0.0
     for label in ACCURACY_SIZES:
         for op in ("all_reduce", "send"):
-            measured = _span([r[label][op] for r in per_rank])
+            measured = op_seconds([r[label][op] for r in per_rank])
             modelled = max(r[label][f"modelled_{op}"][0] for r in per_rank)
             detail[f"{op}_{label}"] = {"measured_ms": round(measured * 1e3, 2), "modelled_ms": round(modelled * 1e3, 2),
                                        "overhead_ms": round((measured - modelled) * 1e3, 2),
@@ -122,7 +106,7 @@ def _hierarchy(nbytes: int, reps: int) -> dict[str, list[tuple[float, float]]]:
         for name, op in ops.items():
             work.copy_(x)
             comm.barrier()
-            span = _timed(lambda op=op: op(work))
+            span = timed(lambda op=op: op(work))
             if rep:
                 times[name].append(span)
     return times
@@ -132,7 +116,7 @@ def hierarchy_row(quick: bool) -> dict[str, Any]:
     reps = 2 if quick else 5
     per_rank = list(launch(_hierarchy, WORLD_SIZE, HIER_BYTES, reps, nodes=NODES, intra_link=HIER_INTRA,
                            inter_link=HIER_INTER, timeout=300))
-    hier, ring = (_span([r[name] for r in per_rank]) for name in ("hierarchical", "ring"))
+    hier, ring = (op_seconds([r[name] for r in per_rank]) for name in ("hierarchical", "ring"))
     fast, slow = parse_link(HIER_INTRA), parse_link(HIER_INTER)
     per_node = WORLD_SIZE // NODES
     predicted = (hierarchical_allreduce_time(HIER_BYTES, per_node, NODES, fast.alpha, fast.bandwidth, slow.alpha,

@@ -30,8 +30,9 @@ several hosts) clocks differ; emulating a topology there is refused in ``launch`
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -183,6 +184,24 @@ def emulating(emulation: LinkEmulation | None) -> Iterator[LinkClock | None]:
         _Active.clock = previous
 
 
+def timed(op: Callable[[], Any]) -> tuple[float, float]:
+    """``op()``'s (start, end) in ``time.time()``: one clock for every rank of this machine, so spans of different
+    ranks can be compared (``op_seconds``)."""
+    start = time.time()
+    op()
+    return start, time.time()
+
+
+def op_seconds(per_rank: list[list[tuple[float, float] | None]]) -> float:
+    """How long a collective took, from every rank's (start, end) per rep (None on a rank that took no part): the
+    median over reps of the last rank's end minus the last rank's start, so a rank that left the barrier early does
+    not count its wait for the others as link time."""
+    taking_part = [spans for spans in per_rank if spans and spans[0] is not None]
+    reps = len(taking_part[0])
+    return statistics.median(max(s[i][1] for s in taking_part) - max(s[i][0] for s in taking_part)
+                             for i in range(reps))
+
+
 def stamp(value: float, device: torch.device) -> torch.Tensor:
     """A time as the one float64 element the emulation sends beside an op."""
     return torch.tensor([value], dtype=torch.float64, device=device)
@@ -244,6 +263,6 @@ def _is_number(text: str) -> bool:
 
 
 __all__ = [
-    "INTER", "INTRA", "STRAGGLER_HELP", "LinkClock", "Straggler", "LinkEmulation", "check_time_scale", "current", "emulating", "matmul_rate",
+    "INTER", "INTRA", "STRAGGLER_HELP", "LinkClock", "Straggler", "LinkEmulation", "check_time_scale", "current", "op_seconds", "timed", "emulating", "matmul_rate",
     "resolve_time_scale", "sleep_until", "stamp", "time_scale_for",
 ]

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.dist import comm
-from workbench.dist.emulation import LinkEmulation
+from workbench.dist.emulation import LinkEmulation, op_seconds, timed
 from workbench.dist.launch import (
     TIMEOUT_ENV,
     RankError,
@@ -433,12 +433,6 @@ def _init_group(plan: RankPlan) -> None:
 Span = tuple[float, float] | None  # one rank's (start, end) of one rep, None where the rank takes no part
 
 
-def _timed(op: Callable[[], None]) -> tuple[float, float]:
-    start = time.time()
-    op()
-    return start, time.time()
-
-
 def reps_for(nbytes: int, reps: int) -> int:
     """``reps`` at 16 MiB and above, up to 8 times as many below: small messages are cheap, and a scheduler slice
     (or another user's burst of work) is a larger share of their time, so their median needs more samples."""
@@ -459,24 +453,15 @@ def time_ops(sizes: dict[str, int], reps: int, ops: tuple[str, ...] = ("all_redu
         for rep in range(reps_for(nbytes, reps) + 1):
             for op in ops:
                 comm.barrier()  # every rank starts together, so a span is link time, not waiting for a peer
-                span = _timed(steps[op]) if steps[op] is not None else None
+                span = timed(steps[op]) if steps[op] is not None else None
                 if rep:  # the first rep opens gloo's connections and warms its buffers
                     out[label][op].append(span)
     return out
 
 
-def span_of(per_rank: list[list[Span]]) -> float:
-    """Median over reps of the last rank's end minus the last rank's start (a rank that left the barrier early
-    does not count its wait for the others)."""
-    taking_part = [spans for spans in per_rank if spans and spans[0] is not None]
-    reps = len(taking_part[0])
-    return statistics.median(max(s[i][1] for s in taking_part) - max(s[i][0] for s in taking_part)
-                             for i in range(reps))
-
-
 def op_time(per_rank: list[dict], label: str, op: str) -> float:
-    """``span_of`` one op and size from ``time_ops``' per-rank results."""
-    return span_of([result[label][op] for result in per_rank])
+    """``op_seconds`` of one op and size from ``time_ops``' per-rank results."""
+    return op_seconds([result[label][op] for result in per_rank])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -623,5 +608,5 @@ def size_label(nbytes: int) -> str:
 __all__ = [
     "Comparison", "NetnsError", "OpTiming", "ShapedLink", "TokenBucket", "agreement_bound", "compare",
     "enter_namespace", "leftovers", "measure_link", "remove_stale", "reps_for", "run_ranks", "shaped_link",
-    "size_label", "span_of", "time_ops", "unavailable_reason",
+    "size_label", "time_ops", "unavailable_reason",
 ]

@@ -17,13 +17,12 @@ A wrong answer raises ``LabCheckFailed`` naming the likely mistake; ``hint(1..3)
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from workbench.dist.emulation import op_seconds, timed
 from workbench.labs import LabCheckFailed, show_hint
 from workbench.labs.ring_allreduce import case_input  # lab 02's inputs: small integers, exact sums in any order
 
@@ -99,12 +98,7 @@ def _timed(fn: Callable[..., Any], intra: Any, inter: Any, numel: int, reps: int
     for _ in range(reps):
         for name in spans:
             comm.barrier()
-            t0 = time.time()
-            if name == "yours":
-                fn(x, intra, inter)
-            else:
-                comm.all_reduce(x)
-            spans[name].append((t0, time.time()))
+            spans[name].append(timed(lambda name=name: fn(x, intra, inter) if name == "yours" else comm.all_reduce(x)))
     return spans
 
 
@@ -126,7 +120,8 @@ def _check(fn: Callable[..., Any], timeout: float) -> None:
         runs = [r["runs"][index] for r in per_rank]
         _check_values(runs, numel)
         _check_inter_bytes(runs, numel)
-    ratio, yours, flat = _time_ratio([r["times"] for r in per_rank])
+    yours, flat = (op_seconds([r["times"][name] for r in per_rank]) for name in ("yours", "flat"))
+    ratio = yours / flat
     if ratio > TIME_GOAL:
         raise LabCheckFailed(f"the sum is right and the slow link carried no more than it must, but your all-reduce "
                              f"of 1 MiB took {yours * 1e3:.0f} ms (emulated) against {flat * 1e3:.0f} ms for the flat "
@@ -211,16 +206,6 @@ def _check_inter_bytes(runs: list[dict], numel: int) -> None:
                 f"the sum is right, but rank {rank} sent {sent:.0f} bytes over the slow inter-node link, {what}. "
                 f"Only a 1/{NODE_SIZE} shard needs to cross: reduce inside the node first, so that each rank carries "
                 f"one shard across (ops seen: {', '.join(run['ops'])}).")
-
-
-def _time_ratio(times: list[dict[str, list]]) -> tuple[float, float, float]:
-    """Median over reps of (last end − last start), yours / flat."""
-    def median_span(name: str) -> float:
-        reps = len(times[0][name])
-        return statistics.median(max(t[name][i][1] for t in times) - max(t[name][i][0] for t in times)
-                                 for i in range(reps))
-    yours, flat = median_span("yours"), median_span("flat")
-    return yours / flat, yours, flat
 
 
 __all__ = ["HINTS", "case_input", "check", "hint"]
