@@ -47,6 +47,7 @@ def _with_solution(tmp_path: Path) -> Path:
     return copy
 
 
+@pytest.mark.extended  # runs lab 02's cells: the extended lane (each tests/test_lab_*.py grades its stub)
 def test_check_grades_the_stub_as_failed_with_the_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     copy = grading.start("02", tmp_path)
     assert main(["labs", "check", str(copy)]) == 1

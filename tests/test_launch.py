@@ -157,6 +157,7 @@ def test_unpicklable_result_is_reported() -> None:
         launch(returns_lock, 2)
 
 
+@pytest.mark.extended  # a fresh interpreter importing torch: the extended lane
 def test_a_script_read_from_stdin_can_launch() -> None:
     """``python - <<EOF`` gives ``__main__`` the path ``<stdin>``, which multiprocessing cannot re-import."""
     import subprocess

@@ -167,6 +167,8 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 """)
 
 
+# torchrun's own launcher: the extended lane (tests/test_train_cli.py runs a whole training under torchrun)
+@pytest.mark.extended
 def test_under_torchrun_runs_for_own_rank(tmp_path) -> None:
     script = tmp_path / "script.py"
     script.write_text(TORCHRUN_SCRIPT)

@@ -146,6 +146,7 @@ def test_compare_page_holds_both_runs(runs: dict[str, Path], tmp_path: Path, mon
     assert page.count(PLOTLY_JS_BANNER) == 1 and len(page.encode()) < FIVE_MB
 
 
+@pytest.mark.extended  # 50 steps on 4 ranks: the extended lane (the size rule is checked on the short run above)
 def test_report_of_a_50_step_4_rank_run_is_under_5_mb(tmp_path: Path) -> None:
     out = tmp_path / "run"
     run_training(RunConfig(nproc=4, steps=50, batch_size=8, seq_len=32), out=out, progress=False)

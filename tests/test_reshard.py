@@ -22,11 +22,12 @@ pytestmark = [pytest.mark.numerics, pytest.mark.timeout(400)]  # numerics: .ci/r
 DATA = dict(batch_size=8, seq_len=32)
 
 
+# The test command resumes ZeRO-3 shards on another dp; tp and pp sources (the same gather) in the extended lane.
 @pytest.mark.parametrize("saved, resumed", [
-    (dict(nproc=4, zero=3), dict(nproc=2, zero=1)),
-    (dict(nproc=2, tp=2), dict(nproc=2, zero=2)),
-    (dict(nproc=2, pp=2), dict(nproc=1)),
-], ids=["dp4-zero3-to-dp2-zero1", "tp2-to-dp2-zero2", "pp2-to-one-process"])
+    pytest.param(dict(nproc=4, zero=3), dict(nproc=2, zero=1), id="dp4-zero3-to-dp2-zero1"),
+    pytest.param(dict(nproc=2, tp=2), dict(nproc=2, zero=2), id="tp2-to-dp2-zero2", marks=pytest.mark.extended),
+    pytest.param(dict(nproc=2, pp=2), dict(nproc=1), id="pp2-to-one-process", marks=pytest.mark.extended),
+])
 def test_resume_on_another_layout_continues_the_run(saved: dict, resumed: dict, tmp_path: Path) -> None:
     full = run_training(RunConfig(steps=8, **DATA, **saved), progress=False)
     ckpt = tmp_path / "ckpt"

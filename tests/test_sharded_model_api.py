@@ -458,6 +458,8 @@ def test_bucketed_ddp_with_one_bucket_all_reduces_once_per_step():
         make_ddp(build_gpt(TINY), "bucketed", bucket_mb=-1)
 
 
+# a CLI run, a resume and a reshard: the extended lane (the API tests above cover the numbers)
+@pytest.mark.extended
 def test_replicated_norms_from_the_cli_resume_and_reshard(tmp_path) -> None:
     """`--zero 3 --zero3-replicate '*norm'` trains as one process does, resumes on the same layout and reshards to
     one process (the replicated parameters' whole moments are gathered like the shards')."""
