@@ -19,10 +19,14 @@ REFUSED = [
     (Combination(zero=3, pp=2, zero3_replicate=("*norm",)), "needs zero=3 without a pipeline"),
     (Combination(reduce_dtype="bf16", zero=2), "reduce_dtype='bf16' needs zero=3"),
     (Combination(offload=True), "offload needs a ZeRO stage"),
+    (Combination(cp=2, tp=2), "context parallelism (cp=2) composes with"),
+    (Combination(cp=2, pp=2), "context parallelism (cp=2) composes with"),
+    (Combination(cp=2, recompute="selective"), "ring attention already keeps only q, k, v"),
 ]
 COMPOSES = [Combination(), Combination(tp=2, sp=True), Combination(pp=2, zero=1, tp=2, sp=True),
             Combination(zero=3, reduce_dtype="bf16", zero3_replicate=("*norm",), offload=True)]
-COMPOSES += [Combination(tp=2, zero=z) for z in range(4)]
+COMPOSES += [Combination(tp=2, zero=z) for z in range(4)] + [Combination(cp=2, zero=z) for z in range(4)]
+COMPOSES += [Combination(cp=4, grad_accum=2, recompute="full")]
 
 
 @pytest.mark.parametrize("combination, reason", REFUSED)
@@ -44,8 +48,9 @@ def test_every_rule_is_exercised() -> None:
 
 
 def _run_config(c: Combination) -> dict:
-    nproc = c.tp * c.pp * (2 if c.zero else 1)
-    return dict(nproc=nproc, tp=c.tp, pp=c.pp, sp=c.sp, zero=c.zero, grad_accum=c.grad_accum,
+    nproc = c.tp * c.pp * c.cp * (2 if c.zero else 1)
+    return dict(nproc=nproc, tp=c.tp, pp=c.pp, sp=c.sp, cp=c.cp, recompute=c.recompute, zero=c.zero,
+                grad_accum=c.grad_accum,
                 zero3_replicate=list(c.zero3_replicate), reduce_dtype=c.reduce_dtype, offload=c.offload,
                 precision="fp32" if c.reduce_dtype == "fp32" else c.reduce_dtype, batch_size=16)
 
@@ -58,13 +63,13 @@ def test_run_config_refuses_what_the_table_refuses(combination: Combination, rea
 
 
 CALC_EXPRESSIBLE = [(c, r) for c, r in REFUSED if c.grad_accum == 1 and not c.zero3_replicate
-                    and c.reduce_dtype == "fp32"]
+                    and c.reduce_dtype == "fp32" and c.recompute == "none"]
 
 
 @pytest.mark.parametrize("combination, reason", CALC_EXPRESSIBLE)
 def test_calc_refuses_what_the_table_refuses(combination: Combination, reason: str, capsys) -> None:
     flags = ["calc", "--model", "llama-7B", "--tp", str(combination.tp), "--pp", str(combination.pp),
-             "--zero", str(combination.zero), "--dp", "2"]
+             "--zero", str(combination.zero), "--dp", "2", "--cp", str(combination.cp)]
     flags += ["--sp"] * combination.sp + ["--offload"] * combination.offload
     with pytest.raises(SystemExit):
         main(flags)

@@ -142,10 +142,12 @@ def test_axis_links_is_the_slowest_link_over_the_mesh_groups(nodes: int, sizes: 
 
 
 @pytest.mark.parametrize("sizes, expected", [
-    (dict(dp=2, tp=4), {"dp": ETH, "tp": NVLINK, "pp": NVLINK}),   # tp inside a node, dp across
-    (dict(tp=8), {"dp": NVLINK, "tp": ETH, "pp": NVLINK}),         # tp too wide for a node
-    (dict(tp=4, pp=2), {"dp": NVLINK, "tp": NVLINK, "pp": ETH}),   # one stage per node
-    (dict(dp=4, tp=2), {"dp": ETH, "tp": NVLINK, "pp": NVLINK}),   # dp groups [0,2,4,6], [1,3,5,7] span nodes
+    (dict(dp=2, tp=4), {"dp": ETH, "cp": NVLINK, "tp": NVLINK, "pp": NVLINK}),   # tp inside a node, dp across
+    (dict(tp=8), {"dp": NVLINK, "cp": NVLINK, "tp": ETH, "pp": NVLINK}),         # tp too wide for a node
+    (dict(tp=4, pp=2), {"dp": NVLINK, "cp": NVLINK, "tp": NVLINK, "pp": ETH}),   # one stage per node
+    (dict(dp=4, tp=2), {"dp": ETH, "cp": NVLINK, "tp": NVLINK, "pp": NVLINK}),   # dp groups [0,2,4,6], [1,3,5,7]
+    (dict(dp=2, cp=4), {"dp": ETH, "cp": NVLINK, "tp": NVLINK, "pp": NVLINK}),   # cp inside a node, dp across
+    (dict(cp=2, tp=4), {"dp": NVLINK, "cp": ETH, "tp": NVLINK, "pp": NVLINK}),   # cp groups [0,4] ... span nodes
 ])
 def test_axis_links_on_two_nodes_of_four(sizes: dict[str, int], expected: dict[str, Link]) -> None:
     assert axis_links(Topology(2, 4, NVLINK, ETH), **sizes) == expected
@@ -163,8 +165,16 @@ def test_axis_links_refuses_a_layout_of_another_size() -> None:
     with pytest.raises(ValueError, match=re.escape("dp x tp x pp = 2 x 2 x 1 = 4 ranks but the topology has "
                                                    "2 nodes x 4 ranks = 8")):
         axis_links(Topology(2, 4, NVLINK, IB), dp=2, tp=2)
-    with pytest.raises(ValueError, match="unknown mesh axis 'cp'"):
-        axis_groups("cp", dp=2)
+    with pytest.raises(ValueError, match="unknown mesh axis 'ep'"):
+        axis_groups("ep", dp=2)
+    with pytest.raises(ValueError, match=re.escape("dp x cp x tp x pp = 2 x 2 x 1 x 1 = 4 ranks but the topology")):
+        axis_links(Topology(2, 4, NVLINK, IB), dp=2, cp=2)
+
+
+def test_cp_groups_sit_between_tp_and_dp_in_the_rank_order() -> None:
+    """Megatron's order, as ``MeshShape``: tp fastest, then cp, dp, pp."""
+    for axis in ("dp", "cp", "tp", "pp"):
+        assert axis_groups(axis, dp=2, cp=2, tp=2, pp=2) == MeshShape(dp=2, cp=2, tp=2, pp=2).all_axis_groups(axis)
 
 
 def test_describe_placement() -> None:

@@ -146,6 +146,10 @@ STRATEGIES = [
     dict(nproc=2, recompute="full"), dict(nproc=2, tp=2, recompute="selective"),
     dict(nproc=2, tp=2, sp=True, recompute="full"), dict(nproc=2, zero=3, recompute="full"),
     dict(nproc=2, pp=2, schedule="1f1b", microbatches=4, recompute="full"),
+    # context parallelism (ring attention): alone, over both layouts, with dp and every ZeRO stage, recomputed
+    dict(nproc=4, cp=4), dict(nproc=4, cp=4, cp_layout="contiguous"), dict(nproc=2, cp=2, grad_accum=2),
+    dict(nproc=4, cp=2, zero=1), dict(nproc=4, cp=2, zero=2), dict(nproc=4, cp=2, zero=3),
+    dict(nproc=2, cp=2, recompute="full"),
 ]
 
 

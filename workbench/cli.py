@@ -30,12 +30,18 @@ def _strategy_flags(p: argparse.ArgumentParser) -> None:
     ``calc`` changes two defaults (``set_defaults`` in ``_calc_parser``): no --batch-size (activations are then
     left out) and, without --nproc or --dp, one node of 8 data-parallel ranks."""
     p.add_argument("--nproc", type=int, default=None,
-                   help="number of ranks = dp x tp x pp (run: default 1, the single-process baseline, or torchrun's "
-                        "WORLD_SIZE; calc: default dp x tp x pp)")
+                   help="number of ranks = dp x tp x pp x cp (run: default 1, the single-process baseline, or "
+                        "torchrun's WORLD_SIZE; calc: default dp x tp x pp x cp)")
     p.add_argument("--dp", type=int, default=None,
-                   help="data-parallel size (default: nproc / (tp x pp); calc without --nproc: 8)")
+                   help="data-parallel size (default: nproc / (tp x pp x cp); calc without --nproc: 8)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (heads, MLP and vocabulary split)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism over the tp ranks (needs --tp > 1)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each sequence split over cp ranks, attention as a ring (K/V blocks "
+                        "passed to the neighbour); composes with dp and --zero")
+    p.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default="zigzag",
+                   help="how --cp splits a sequence: zigzag (rank r holds chunks r and 2cp-1-r: equal causal work) "
+                        "or contiguous (rank r holds chunk r: the last rank does ~2cp-1 times the first's)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages of layers)")
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="pipeline schedule")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default 2 x pp)")
@@ -316,8 +322,8 @@ def _calc_layout(args: argparse.Namespace) -> Any:
 
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {args.nproc}")
-    sizes_ok = all(isinstance(v, int) and v > 0 for v in (args.tp, args.pp))
-    model_parallel = args.tp * args.pp if sizes_ok else 1
+    sizes_ok = all(isinstance(v, int) and v > 0 for v in (args.tp, args.pp, args.cp))
+    model_parallel = args.tp * args.pp * args.cp if sizes_ok else 1
     if args.dp is not None:
         dp = args.dp
     else:
@@ -325,7 +331,8 @@ def _calc_layout(args: argparse.Namespace) -> Any:
     pp = args.pp if sizes_ok else 1
     microbatches = args.microbatches if args.microbatches is not None else (2 * pp if pp > 1 else 1)
     layout = Layout(dp=dp, tp=args.tp, pp=args.pp, sp=args.sp, zero_stage=args.zero, schedule=args.schedule,
-                    microbatches=microbatches, virtual_stages=args.virtual_stages, offload=args.offload)
+                    microbatches=microbatches, virtual_stages=args.virtual_stages, offload=args.offload, cp=args.cp,
+                    cp_layout=args.cp_layout)
     layout.validate(args.model, args.seq_len, nproc=args.nproc)
     check_composition(layout.combination())  # what `run` refuses, calc refuses (theory.composition)
     return layout
@@ -346,7 +353,8 @@ def _calc(args: argparse.Namespace) -> None:
     kwargs = dict(model=args.model, dp=layout.dp, zero_stage=layout.zero_stage, precision=args.precision,
                   optimizer=args.optimizer, offload=layout.offload, seq_len=args.seq_len, recompute=args.recompute,
                   device_gb=args.device_gb, tp=layout.tp, sp=layout.sp, pp=layout.pp, schedule=layout.schedule,
-                  microbatches=layout.microbatches, virtual_stages=layout.virtual_stages, links=links)
+                  microbatches=layout.microbatches, virtual_stages=layout.virtual_stages, links=links, cp=layout.cp,
+                  cp_layout=layout.cp_layout)
     table = calculator_table(batch=micro, **kwargs)
     _print_calc(args, layout, table, micro)
     if not micro:
@@ -368,14 +376,15 @@ def _calc_links(args: argparse.Namespace, layout: Any) -> tuple[dict[str, Any], 
     before topologies). With them: ``axis_links`` of the topology, each explicit --AXIS-link still overriding."""
     from workbench.theory.topology import LINK_PRESETS, Topology, axis_links, describe_placement, link_label
 
-    explicit = {axis: getattr(args, f"{axis}_link") for axis in ("dp", "tp", "pp") if getattr(args, f"{axis}_link")}
+    explicit = {axis: getattr(args, f"{axis}_link") for axis in ("dp", "cp", "tp", "pp")
+                if getattr(args, f"{axis}_link")}
     if args.nodes is None and args.intra_link is None and args.inter_link is None and args.distribution is None:
         return explicit, None
     topology = Topology.from_nproc(layout.nproc, 1 if args.nodes is None else args.nodes,
                                    intra=args.intra_link or LINK_PRESETS["nvlink"],
                                    inter=args.inter_link or LINK_PRESETS["infiniband"],
                                    distribution=args.distribution or "block")
-    sizes = dict(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    sizes = dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp)
     placement = describe_placement(topology, **sizes)
     overrides = [f"--{axis}-link {link_label(link, detail=True)}" for axis, link in explicit.items()]
     if overrides:
@@ -384,7 +393,8 @@ def _calc_links(args: argparse.Namespace, layout: Any) -> tuple[dict[str, Any], 
 
 
 def _print_calc(args: argparse.Namespace, layout: Any, table: dict[str, Any], micro: int) -> None:
-    axes = f"dp {layout.dp} x tp {layout.tp}{' (+sp)' if layout.sp else ''} x pp {layout.pp}"
+    cp = f" x cp {layout.cp} ({layout.cp_layout})" if layout.cp > 1 else ""
+    axes = f"dp {layout.dp}{cp} x tp {layout.tp}{' (+sp)' if layout.sp else ''} x pp {layout.pp}"
     print(f"{table['model']}: {table['n_params']:,} parameters, nproc={layout.nproc} = {axes}, ZeRO-{layout.zero_stage}"
           f"{' + offload' if layout.offload else ''}, {args.precision}, {args.optimizer}  [{table['formula']}]")
     worst = table["stages"][table["worst_stage"]]
@@ -409,7 +419,7 @@ def _print_calc_pipeline_and_comm(table: dict[str, Any], layout: Any) -> None:
     comm = table["comm"]
     print(f"communication per step (α-β ring model, {table['comm_micro_batch']} sequence(s) per micro-batch, "
           f"nothing overlapped), on the slowest pipeline rank:")
-    for axis in ("dp", "tp", "pp"):
+    for axis in ("dp", "cp", "tp", "pp"):
         c = comm[axis]
         if c["group_size"] == 1:
             print(f"  {axis}     1 rank   no traffic")
@@ -429,6 +439,9 @@ def _print_scaling(args: argparse.Namespace, layout: Any, table: dict[str, Any],
         raise ValueError("--scaling prices each step's compute from the tokens per rank: pass --batch-size")
     if not 0 < args.mfu <= 1 or not 0 <= args.overlap <= 1:
         raise ValueError(f"--mfu must be in (0, 1] and --overlap in [0, 1], got {args.mfu} and {args.overlap}")
+    if layout.cp > 1:
+        raise ValueError(f"--scaling grows data parallelism over a fixed tp x pp; with --cp {layout.cp} each step's "
+                         f"compute also depends on the ring's overlap, which it does not model: leave --cp out")
     model_parallel = layout.tp * layout.pp
     seq = args.seq_len or MODEL_PRESETS[args.model]["seq_len"]
     shard = table["n_params"] / model_parallel  # parameters (and gradients) per rank

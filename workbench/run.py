@@ -231,8 +231,8 @@ def _health_summary(rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
 
 
 def _mesh(cfg: RunConfig) -> dict[str, int]:
-    """The run's mesh axes (context parallelism is not a run flag yet: cp is always 1)."""
-    return {"pp": cfg.pp, "dp": cfg.dp, "cp": getattr(cfg, "cp", 1), "tp": cfg.tp}
+    """The run's mesh axes."""
+    return {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
 
 
 def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
@@ -246,6 +246,9 @@ def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
     for axis in sorted(AXES, key=lambda a: mesh[a] == 1):  # real axes first: they win a shared group
         for group in shape.all_axis_groups(axis):
             labels.setdefault(tuple(sorted(group)), axis)
+    if shape.cp > 1:  # context parallel ranks share parameters: gradients are averaged over dp x cp
+        for rank in range(shape.world_size):
+            labels.setdefault(tuple(shape.fused_ranks(("dp", "cp"), rank)), "dp_cp")
     labels.setdefault(tuple(range(shape.world_size)), "world")
     return [{"ranks": list(ranks), "axis": axis} for ranks, axis in labels.items()]
 

@@ -32,8 +32,8 @@ RESUME_MUST_MATCH = ("model", "seq_len", "batch_size", "seed", "data", "val_ever
 #: RunConfig fields a resume may change: the layout. The checkpoint is then resharded (``checkpoint.reshard``):
 #: gathered into full tensors on the saved layout once (``full-state.pt`` beside its shards), then sharded the new
 #: way by every rank of the new one.
-LAYOUT_FIELDS = ("nproc", "dp", "tp", "pp", "sp", "zero", "zero3_replicate", "offload", "schedule", "microbatches",
-                 "virtual_stages", "grad_accum")
+LAYOUT_FIELDS = ("nproc", "dp", "tp", "pp", "sp", "cp", "zero", "zero3_replicate", "offload", "schedule",
+                 "microbatches", "virtual_stages", "grad_accum")
 FULL_STATE = "full-state.pt"
 
 

@@ -79,6 +79,15 @@ class MeshShape:
             seen.setdefault(tuple(self.axis_ranks(axis, rank)), None)
         return [list(g) for g in seen]
 
+    def fused_ranks(self, axes: tuple[str, ...], rank: int) -> list[int]:
+        """Global ranks that share every coordinate with ``rank`` except those of ``axes`` (e.g. ``("dp", "cp")``:
+        the ranks that hold the same parameters under context parallelism), in rank order."""
+        for axis in axes:
+            _check_axis(axis)
+        coords = self.coords(rank)
+        return [r for r in range(self.world_size)
+                if all(self.coords(r)[a] == coords[a] for a in AXES if a not in axes)]
+
 
 def _check_axis(axis: str) -> None:
     if axis not in AXES:
@@ -110,6 +119,7 @@ class Mesh:
         #: Where this rank's tensors are born: ``cuda:LOCAL_RANK`` under NCCL, else the CPU.
         self.device: torch.device = rank_device()
         self._groups: dict[str, Any] = {axis: None for axis in AXES}
+        self._dp_cp_group: Any = None
         if distributed:
             self._build_groups()
 
@@ -120,6 +130,9 @@ class Mesh:
         for axis in AXES:
             ranks = self.shape.axis_ranks(axis, self.rank)
             self._groups[axis] = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        if self.shape.cp > 1:  # context parallel ranks hold the same parameters: their gradients are averaged too
+            ranks = self.shape.fused_ranks(("dp", "cp"), self.rank)
+            self._dp_cp_group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
 
     def describe(self) -> str:
         return " x ".join(f"{axis}={getattr(self.shape, axis)}" for axis in AXES)
@@ -191,6 +204,28 @@ class Mesh:
     @property
     def cp_group(self) -> Any:
         return self.group("cp")
+
+    @property
+    def dp_cp_group(self) -> Any:
+        """The ranks that hold the same parameters: dp x cp (Megatron's data-parallel group with context
+        parallelism). Gradients are averaged, and ZeRO shards, over it; the dp group when cp = 1."""
+        return self._dp_cp_group if self.shape.cp > 1 else self.dp_group
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.size("dp") * self.size("cp")
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.index("dp") * self.size("cp") + self.index("cp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.index("cp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.size("cp")
 
     @property
     def dp_rank(self) -> int:

@@ -6,7 +6,9 @@ LayerNorm, and a language-model head that shares its weight with the token embed
 
 Nothing here knows about parallelism. Tensor parallelism is applied from outside by swapping the
 q/k/v/fc Linears for column-sharded ones and proj for row-sharded ones; attention therefore derives its
-number of heads from the width q actually produces, not from the config.
+number of heads from the width q actually produces, not from the config. Context parallelism is applied from
+outside too: it sets ``CausalSelfAttention.attend`` (a callable ``(q, k, v) -> y`` used instead of causal
+``scaled_dot_product_attention``) to ring attention, and passes each rank's token ``positions`` to ``forward``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(d, d)
         self.v = nn.Linear(d, d)
         self.proj = nn.Linear(d, d)
+        # None: causal scaled_dot_product_attention. Else a callable (q, k, v) -> y on [B, H_local, T, hd]
+        # tensors, e.g. context parallelism's ring attention over the ranks that hold the rest of the sequence.
+        self.attend = None
 
     def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
         # [B, T, H_local*hd] -> [B, H_local, T, hd]; H_local may be n_head / tp under tensor parallelism.
@@ -91,7 +96,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (self._split_heads(lin(x)) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H_local, T, hd]
+        if self.attend is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H_local, T, hd]
+        else:
+            y = self.attend(q, k, v)
         b, h_local, t_len, hd = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, t_len, h_local * hd))
 
@@ -149,12 +157,15 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """idx [B, T] token ids -> logits [B, T, V], or the mean cross-entropy if targets [B, T] given."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """idx [B, T] token ids -> logits [B, T, V], or the mean cross-entropy (over these T tokens) if targets
+        [B, T] given. ``positions`` [T]: the tokens' positions in the sequence (default 0..T-1; a context-parallel
+        rank holds some positions of a longer sequence)."""
         t_len = idx.shape[1]
         if t_len > self.cfg.seq_len:
             raise ValueError(f"sequence length {t_len} exceeds the model's seq_len={self.cfg.seq_len}")
-        pos = torch.arange(t_len, device=idx.device)
+        pos = torch.arange(t_len, device=idx.device) if positions is None else positions
         x = self.wte(idx) + self.wpe(pos)  # [B, T, d]
         for block in self.blocks:
             x = block(x)

@@ -49,6 +49,7 @@ class ParallelConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     sp: bool = False  # sequence parallelism over the tp axis (needs tp > 1)
+    cp_layout: str = "zigzag"  # context parallelism's split of the sequence over the cp axis (parallel.context)
     grad_accum: int = 1  # micro-batches per step of the default forward_backward
     schedule: str = "1f1b"  # pipeline schedule over the pp axis (workbench.theory.pipeline.SCHEDULES)
     microbatches: int = 4  # the pipeline's micro-batches per step
@@ -219,9 +220,12 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
         raise ValueError(f"zero stage {cfg.zero!r}; valid: {ZERO_STAGES}")
     check_composition(Combination(tp=mesh.tp_size, pp=mesh.pp_size, sp=cfg.sp, zero=cfg.zero,
                                   grad_accum=cfg.grad_accum, zero3_replicate=tuple(cfg.zero3_replicate),
-                                  reduce_dtype=cfg.reduce_dtype, offload=cfg.offload))
+                                  reduce_dtype=cfg.reduce_dtype, offload=cfg.offload, cp=mesh.size("cp"),
+                                  recompute=cfg.recompute))
     amp = _precision(mesh, cfg)
-    if mesh.pp_size > 1:
+    if mesh.size("cp") > 1:
+        strategy = _with_context_parallel(model, mesh, cfg, amp)
+    elif mesh.pp_size > 1:
         strategy = _with_pipeline(model, mesh, cfg, amp)
     else:
         if mesh.tp_size > 1:
@@ -232,8 +236,17 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     return replace(strategy, scaler=amp.scaler, device=mesh.device)
 
 
-def _micro_batched(s: Parallelized, grad_accum: int,
-                   amp: _Precision) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+#: ``shard(x, y) -> (x, y, model keywords)``: what of a batch this rank's model sees (context parallelism: its
+#: part of each sequence and those tokens' positions; otherwise all of it).
+BatchShard = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
+
+
+def _whole_batch(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    return x, y, {}
+
+
+def _micro_batched(s: Parallelized, grad_accum: int, amp: _Precision,
+                   shard: BatchShard = _whole_batch) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Gradient accumulation: ``grad_accum`` forward/backward passes, all but the last inside ``no_sync``
     (only the last backward synchronises); each loss scaled by 1/grad_accum so the sum is the batch mean."""
 
@@ -242,14 +255,14 @@ def _micro_batched(s: Parallelized, grad_accum: int,
         pieces = zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)
         for i, (xm, ym) in enumerate(pieces):
             with s.no_sync() if i < grad_accum - 1 else nullcontext():
-                total += _forward_then_backward(s.model, xm, ym, grad_accum, amp)
+                total += _forward_then_backward(s.model, *shard(xm, ym), grad_accum, amp)
         return total
 
     return forward_backward
 
 
-def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: int,
-                           amp: _Precision) -> torch.Tensor:
+def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, model_kwargs: dict[str, Any],
+                           scale: int, amp: _Precision) -> torch.Tensor:
     """One pass, traced: spans for forward and backward, saved activations counted into the ledger. Forward
     runs under the policy's autocast (the model returns an fp32 loss); backward starts from the loss times
     fp16's loss scale (no-ops in fp32)."""
@@ -257,7 +270,7 @@ def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s
     probe = tracer is not None and tracer.probe_memory
     with trace.span("forward", "forward"), tracer.activations() if probe else nullcontext():
         with amp.autocast():
-            loss = model(x, y) / scale
+            loss = model(x, y, **model_kwargs) / scale
     with trace.span("backward", "backward"):
         amp.scale(loss).backward()
     if probe:
@@ -265,6 +278,41 @@ def _forward_then_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, s
     return loss.detach()
 
 
+
+
+@dataclass(frozen=True)
+class _FoldedMesh:
+    """The mesh as the data-parallel strategies see it under context parallelism: cp ranks hold the same
+    parameters, so gradients are averaged (and ZeRO shards) over dp x cp (Megatron-LM's data-parallel group
+    with context parallelism)."""
+
+    mesh: Any
+
+    dp_group = property(lambda self: self.mesh.dp_cp_group)
+    dp_size = property(lambda self: self.mesh.dp_cp_size)
+    dp_rank = property(lambda self: self.mesh.dp_cp_rank)
+    device = property(lambda self: self.mesh.device)
+    tp_size = property(lambda self: 1)
+    pp_size = property(lambda self: 1)
+
+
+def _with_context_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
+    """Context parallelism over the cp axis (``parallel.context``: ring attention, each rank a part of every
+    sequence), data parallelism or ZeRO over dp x cp, and a data path that gives each rank its tokens, their
+    targets and their positions. Each rank's loss is the mean over its tokens; every rank holds as many, so the
+    average over dp x cp of the gradients is the gradient of the global batch's mean loss."""
+    from workbench.parallel import context
+
+    context.apply_context_parallel(model, mesh.cp_group, cfg.cp_layout)
+    inner = _data_parallel(apply_recompute(model, cfg.recompute), _FoldedMesh(mesh), cfg, amp)
+    cp, rank, layout = mesh.size("cp"), mesh.index("cp"), cfg.cp_layout
+
+    def shard(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        positions = context.chunk_positions(x.shape[1], cp, rank, layout, device=x.device)
+        return x.index_select(1, positions), y.index_select(1, positions), {"positions": positions}
+
+    inner = replace(inner, describe=f"CP={cp} ({layout} ring attention) + {inner.describe} over dp x cp")
+    return replace(inner, forward_backward=_micro_batched(inner, cfg.grad_accum, amp, shard))
 
 
 def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:

@@ -48,6 +48,8 @@ def calculator_table(
     microbatches: int = 1,
     virtual_stages: int = 1,
     links: dict[str, Link] | None = None,
+    cp: int = 1,
+    cp_layout: str = "zigzag",
 ) -> dict:
     """Per-rank memory for one configuration, as plain numbers.
 
@@ -59,11 +61,12 @@ def calculator_table(
     context and allocator reserve take some, so "fits" is optimistic by a GiB or two.
 
     ``batch`` is the micro-batch of one rank (sequences), 0 to leave activations out; the tp and pp traffic
-    then assume one sequence per micro-batch. tp, sp, pp, schedule, microbatches and virtual_stages are
-    ``workbench run``'s flags (``theory.parallelism.Layout``).
+    then assume one sequence per micro-batch. tp, sp, pp, schedule, microbatches, virtual_stages, cp and cp_layout
+    are ``workbench run``'s flags (``theory.parallelism.Layout``); ZeRO then shards over dp x cp.
     """
     layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero_stage=zero_stage, schedule=schedule,
-                    microbatches=microbatches, virtual_stages=virtual_stages, offload=offload)
+                    microbatches=microbatches, virtual_stages=virtual_stages, offload=offload, cp=cp,
+                    cp_layout=cp_layout)
     if model == CUSTOM:
         return _custom_table(layout, custom_params_b, precision, optimizer, batch, device_gb)
     n_params = n_params_of(model, custom_params_b)

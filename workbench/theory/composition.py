@@ -26,6 +26,14 @@ PP_COMPOSES_WITH = ("data parallelism (dp >= 1) with zero 0 or 1 (ZeRO-2/3 would
                     "micro-batch: m times the gradient or parameter traffic), and tensor parallelism (tp >= 1, "
                     "with or without sp); grad_accum=1 (the micro-batches are the accumulation)")
 
+#: What context parallelism composes with. Its ranks hold the same parameters, so data parallelism and every ZeRO
+#: stage fold cp into their group (dp x cp, Megatron's "data parallel group with context parallelism"). Not tp or
+#: pp here: the vocabulary-parallel loss and the pipeline's micro-batches would each have to carry the split
+#: sequence's positions and targets (Megatron-LM threads them through both; this workbench does not, yet).
+CP_COMPOSES_WITH = ("data parallelism (dp >= 1) and every ZeRO stage (its group becomes dp x cp), gradient "
+                    "accumulation, recomputation and mixed precision; not tp or pp (their loss and micro-batches do "
+                    "not carry the split sequence's positions)")
+
 
 @dataclass(frozen=True)
 class Combination:
@@ -39,6 +47,8 @@ class Combination:
     zero3_replicate: Sequence[str] = ()
     reduce_dtype: str = "fp32"
     offload: bool = False
+    cp: int = 1
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,12 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"reduce_dtype={c.reduce_dtype!r} needs zero=3 (ZeRO-3 reduce-scatters gradients in its "
                    f"policy's reduce dtype); with zero={c.zero}, pp={c.pp} gradients are reduced in fp32 (autocast "
                    f"leaves fp32 .grad): use reduce_dtype='fp32'"),
+    Rule("cp x tp, pp", lambda c: c.cp > 1 and (c.tp > 1 or c.pp > 1),
+         lambda c: f"context parallelism (cp={c.cp}) composes with {CP_COMPOSES_WITH}; got tp={c.tp}, pp={c.pp}"),
+    Rule("cp x selective recompute", lambda c: c.cp > 1 and c.recompute == "selective",
+         lambda c: f"recompute='selective' with cp={c.cp}: ring attention already keeps only q, k, v, its output "
+                   f"and log-sum-exp and recomputes each block's scores in backward, which is all selective "
+                   f"recomputation would save; use recompute='none' or 'full'"),
     Rule("offload needs zero", lambda c: c.offload and c.zero == 0,
          lambda c: "offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated"),
 )
@@ -86,4 +102,4 @@ def check_composition(combination: Combination, meaningless_only: bool = False) 
         raise ValueError(problems[0])
 
 
-__all__ = ["PP_COMPOSES_WITH", "RULES", "Combination", "Rule", "check_composition", "refusals"]
+__all__ = ["CP_COMPOSES_WITH", "PP_COMPOSES_WITH", "RULES", "Combination", "Rule", "check_composition", "refusals"]

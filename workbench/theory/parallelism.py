@@ -1,4 +1,4 @@
-"""Memory per rank and communication per step of a (dp, tp, pp) layout: 3D parallelism on paper.
+"""Memory per rank and communication per step of a (dp, cp, tp, pp) layout: 3D (4D) parallelism on paper.
 
 A *layout* places ``nproc = dp × tp × pp`` ranks: tp ranks split every layer (Megatron-LM, Shoeybi et al.
 2019), pp ranks hold consecutive stages of layers run by a schedule (``theory.pipeline``), dp ranks hold
@@ -33,7 +33,13 @@ Assumptions (each one a place where a real run differs):
   pp: one activation per micro-batch forward and one gradient back across every stage boundary the rank
   owns (b·s·h values; each tp rank sends all of it, Megatron's scatter/gather optimisation of Narayanan
   et al. 2021 §4.1 is not modelled; under SP the activation is already split by tp), plus the tied
-  embedding's gradient exchanged between first and last stage once per step.
+  embedding's gradient exchanged between first and last stage once per step;
+  cp: ring attention's K/V blocks (and, in backward, the blocks again with their fp32 dK/dV accumulators) per
+  layer per micro-batch (``theory.context.ring_kv_bytes``; K/V of every head: grouped-query attention's fewer K/V
+  heads are not modelled), as point-to-point messages, the forward ones again under full recompute.
+- **Context parallelism** splits each sequence over cp ranks (Liu et al. 2023, ring attention): a rank's
+  activations are those of s/cp tokens (Korthikanti's formula at s/cp, whose score term is then the one
+  (s/cp)² block a rank holds at a time); cp ranks hold the same parameters, so ZeRO shards over dp × cp.
 
 Pure Python: no torch, no imports from the rest of workbench.
 """
@@ -53,6 +59,7 @@ from workbench.theory.comm import (
     tp_block_collectives,
 )
 from workbench.theory.composition import Combination, check_composition
+from workbench.theory.context import check_cp, ring_kv_bytes
 from workbench.theory.memory import (
     OPTIMIZERS,
     PRECISIONS,
@@ -73,7 +80,7 @@ from workbench.theory.pipeline import (
 )
 from workbench.theory.pipeline import validate as validate_schedule
 
-AXES: tuple[str, ...] = ("dp", "tp", "pp")
+AXES: tuple[str, ...] = ("dp", "cp", "tp", "pp")
 
 
 # Orders of magnitude, not measurements: fit your own (calibration.fit_ring_allreduce) and pass them in.
@@ -82,7 +89,7 @@ AXES: tuple[str, ...] = ("dp", "tp", "pp")
 # and about ten across nodes. Tensor parallelism stays inside a node; data and pipeline cross nodes.
 NVLINK = Link(alpha=5e-6, bandwidth=450e9, name="NVLink (450 GB/s, 5 µs)")
 INFINIBAND = Link(alpha=10e-6, bandwidth=50e9, name="InfiniBand NDR (50 GB/s, 10 µs)")
-DEFAULT_LINKS: dict[str, Link] = {"dp": INFINIBAND, "tp": NVLINK, "pp": INFINIBAND}
+DEFAULT_LINKS: dict[str, Link] = {"dp": INFINIBAND, "cp": NVLINK, "tp": NVLINK, "pp": INFINIBAND}
 
 
 def _choice(name: str, value: object, choices) -> None:
@@ -92,7 +99,7 @@ def _choice(name: str, value: object, choices) -> None:
 
 @dataclass(frozen=True)
 class Layout:
-    """How ``dp × tp × pp`` ranks train one model: the flags of ``workbench run`` as plain numbers.
+    """How ``dp × cp × tp × pp`` ranks train one model: the flags of ``workbench run`` as plain numbers.
 
     ``microbatches`` are the micro-batches each dp replica runs per optimizer step (the pipeline's m; with
     pp = 1 they are gradient accumulation), ``virtual_stages`` the stages per pipeline rank (interleaved).
@@ -107,23 +114,32 @@ class Layout:
     microbatches: int = 1
     virtual_stages: int = 1
     offload: bool = False
+    cp: int = 1
+    cp_layout: str = "zigzag"
 
     def combination(self) -> Combination:
         """The settings the composition rules look at (``theory.composition``)."""
-        return Combination(tp=self.tp, pp=self.pp, sp=self.sp, zero=self.zero_stage, offload=self.offload)
+        return Combination(tp=self.tp, pp=self.pp, sp=self.sp, zero=self.zero_stage, offload=self.offload, cp=self.cp)
 
     @property
     def nproc(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def shard_group(self) -> int:
+        """The ranks ZeRO shards a rank's model states over: dp × cp (cp ranks hold the same parameters)."""
+        return self.dp * self.cp
 
     def validate(self, model: str | dict, seq_len: int | None = None, nproc: int | None = None) -> None:
         """ValueError naming the value and the fix for a layout this model cannot take."""
-        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
+        for name in ("dp", "cp", "tp", "pp", "microbatches", "virtual_stages"):
             positive_int(name, getattr(self, name))
         _choice("zero_stage", self.zero_stage, ZERO_STAGES)
         if nproc is not None and self.nproc != nproc:
-            raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.nproc} but nproc={nproc}: "
-                             f"the mesh must use every rank; leave dp out to get nproc / (tp x pp)")
+            cp = (" x cp", f" x {self.cp}") if self.cp > 1 else ("", "")
+            raise ValueError(f"dp{cp[0]} x tp x pp = {self.dp}{cp[1]} x {self.tp} x {self.pp} = {self.nproc} but "
+                             f"nproc={nproc}: the mesh must use every rank; leave dp out to get nproc / "
+                             f"({cp[0][3:] + ' x ' if cp[0] else ''}tp x pp)")
         shape = resolve_preset(model)
         if shape["n_head"] % self.tp:
             valid = [t for t in range(1, shape["n_head"] + 1) if shape["n_head"] % t == 0]
@@ -133,6 +149,7 @@ class Layout:
         s = seq_len if seq_len is not None else shape["seq_len"]
         if self.sp and s % self.tp:
             raise ValueError(f"sp splits the sequence over tp ranks: seq_len={s} must be divisible by tp={self.tp}")
+        check_cp(s, self.cp, self.cp_layout)
         # unknown schedule, m < p for 1F1B/ZB, more stages than layers, interleaved divisibility: checked where
         # the schedules live, with the messages `workbench run` gives
         validate_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages, shape["n_layer"])
@@ -252,8 +269,9 @@ def layout_memory(
     per_layer = _layer_activation(shape, micro_batch, seq_len, precision, recompute, layout)
     ranks = []
     for info, actions in zip(stage_params(shape, layout.tp, layout.pp, layout.virtual_stages), plan, strict=True):
-        states = model_state_bytes(info["params"], layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
-        cpu = offloaded_bytes(info["params"], layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
+        group = layout.shard_group
+        states = model_state_bytes(info["params"], group, layout.zero_stage, precision, optimizer, layout.offload)
+        cpu = offloaded_bytes(info["params"], group, layout.zero_stage, precision, optimizer, layout.offload)
         held = peak_held_layers(actions, layers)
         if micro_batch:
             states["activations"] = held * per_layer
@@ -266,10 +284,11 @@ def layout_memory(
 
 def _layer_activation(shape: dict, micro_batch: int, seq_len: int | None, precision: str, recompute: str,
                       layout: Layout) -> float:
-    """One layer, one micro-batch, one rank: Korthikanti et al. 2022 with tp and SP (``activation_bytes``)."""
+    """One layer, one micro-batch, one rank: Korthikanti et al. 2022 with tp and SP (``activation_bytes``), at the
+    s/cp tokens a context-parallel rank holds."""
     if not micro_batch:
         return 0.0
-    s = seq_len if seq_len is not None else shape["seq_len"]
+    s = (seq_len if seq_len is not None else shape["seq_len"]) // layout.cp
     return activation_bytes(micro_batch, s, shape["d_model"], 1, shape["n_head"], _bytes_per_value(precision),
                             recompute, dropout=shape.get("dropout", True), tp=layout.tp,
                             sequence_parallel=layout.sp)
@@ -296,9 +315,24 @@ def _count(collectives: list[tuple[str, float]], times: int) -> list[tuple[str, 
 
 
 def _dp_ops(params: float, layout: Layout, precision: str) -> list[tuple[str, float, int]]:
-    if layout.dp == 1:
+    if layout.shard_group == 1:
         return []
     return _count(dp_step_collectives(params, _bytes_per_value(precision), layout.zero_stage), 1)
+
+
+def _cp_ops(shape: dict, layers: int, b: int, s: int, layout: Layout, precision: str,
+            recompute: str) -> list[tuple[str, float, int]]:
+    """Ring attention's messages per step: per layer and micro-batch, the forward's K/V hops (again under full
+    recompute) and the backward's K/V hops and dK/dV hops (fp32 accumulators)."""
+    if layout.cp == 1:
+        return []
+    ring = ring_kv_bytes(b, shape["n_head"] // layout.tp, s, shape["d_model"] // shape["n_head"], layout.cp,
+                         _bytes_per_value(precision))
+    times = layers * layout.microbatches
+    forward = ring["forward_messages"] * (2 if recompute == "full" else 1)
+    return [(op, float(size), n * times) for op, size, n in (
+        ("send", ring["kv_message"], forward + ring["backward_kv_messages"]),
+        ("send", ring["grad_message"], ring["backward_grad_messages"])) if n]
 
 
 def _tp_ops(shape: dict, layers: int, b: int, s: int, layout: Layout, precision: str,
@@ -328,9 +362,12 @@ def _axis_ops(axis: str, shape: dict, info: dict, b: int, s: int, layout: Layout
               recompute: str) -> list[tuple[str, float, int]]:
     if axis == "dp":
         return _dp_ops(info["params"], layout, precision)
+    if axis == "cp":
+        return _cp_ops(shape, info["layers"], b, s, layout, precision, recompute)
+    local = s // layout.cp  # a context-parallel rank's activations are those of its s/cp tokens
     if axis == "tp":
-        return _tp_ops(shape, info["layers"], b, s, layout, precision, recompute)
-    return _pp_ops(shape, info, b, s, layout, precision)
+        return _tp_ops(shape, info["layers"], b, local, layout, precision, recompute)
+    return _pp_ops(shape, info, b, local, layout, precision)
 
 
 def layout_comm(
@@ -345,7 +382,8 @@ def layout_comm(
     """Communication of one optimizer step per axis, for the pipeline rank where that axis is slowest.
 
     Returns {axis: {group_size, link, ops [(op, S bytes, count)], tensor_bytes, wire_bytes, time_s, pp_rank}}
-    for "dp", "tp", "pp", and "total_time_s" (their sum: nothing overlapped). Axes of size 1 have no ops.
+    for "dp" (over dp x cp: cp ranks average their gradients too), "cp", "tp", "pp", and "total_time_s" (their
+    sum: nothing overlapped). Axes of size 1 have no ops.
     """
     shape = resolve_preset(model)
     layout.validate(shape, seq_len)
@@ -355,8 +393,9 @@ def layout_comm(
     ranks = stage_params(shape, layout.tp, layout.pp, layout.virtual_stages)
     out: dict = {}
     for axis in AXES:
+        world = layout.shard_group if axis == "dp" else getattr(layout, axis)  # gradients: over dp x cp
         costs = [{**_axis_cost(_axis_ops(axis, shape, info, micro_batch, s, layout, precision, recompute),
-                               getattr(layout, axis), link[axis]), "pp_rank": info["pp_rank"]} for info in ranks]
+                               world, link[axis]), "pp_rank": info["pp_rank"]} for info in ranks]
         out[axis] = max(costs, key=lambda c: c["time_s"])
     out["total_time_s"] = sum(out[a]["time_s"] for a in AXES)
     return out

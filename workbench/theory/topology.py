@@ -161,36 +161,38 @@ class Topology:
         return group
 
 
-def axis_groups(axis: str, dp: int = 1, tp: int = 1, pp: int = 1) -> list[list[int]]:
+def axis_groups(axis: str, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> list[list[int]]:
     """Every group of ``axis`` as lists of global ranks, in ``MeshShape``'s rank order and group order:
-    ``rank = (pp_idx * dp + dp_idx) * tp + tp_idx`` (tp fastest, so a tp group is consecutive ranks)."""
+    ``rank = ((pp_idx * dp + dp_idx) * cp + cp_idx) * tp + tp_idx`` (tp fastest, so a tp group is consecutive
+    ranks). The dp groups are the data-parallel ones proper; with cp > 1 gradients are averaged over dp x cp."""
     if axis not in AXES:
         raise ValueError(f"unknown mesh axis {axis!r}; valid: {', '.join(AXES)}")
-    sizes = {"dp": positive_int("dp", dp), "tp": positive_int("tp", tp), "pp": positive_int("pp", pp)}
-    stride = {"tp": 1, "dp": tp, "pp": dp * tp}[axis]
-    world = dp * tp * pp
+    sizes = {"dp": positive_int("dp", dp), "tp": positive_int("tp", tp), "pp": positive_int("pp", pp),
+             "cp": positive_int("cp", cp)}
+    stride = {"tp": 1, "cp": tp, "dp": cp * tp, "pp": dp * cp * tp}[axis]
+    world = dp * cp * tp * pp
     bases = [r for r in range(world) if (r // stride) % sizes[axis] == 0]  # the ranks with index 0 on the axis
     return [[base + i * stride for i in range(sizes[axis])] for base in bases]
 
 
-def axis_links(topology: Topology, dp: int = 1, tp: int = 1, pp: int = 1) -> dict[str, Link]:
+def axis_links(topology: Topology, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, Link]:
     """The link each mesh axis's collectives cross on ``topology``: the slowest over the axis's groups (a step
     waits for its slowest group). An axis of size 1 sends nothing and gets ``intra``."""
-    _check_world(topology, dp, tp, pp)
+    _check_world(topology, dp, tp, pp, cp)
     links = {}
     for axis in AXES:
-        groups = axis_groups(axis, dp=dp, tp=tp, pp=pp)
+        groups = axis_groups(axis, dp=dp, tp=tp, pp=pp, cp=cp)
         links[axis] = slowest([topology.link_of(g) for g in groups]) if len(groups[0]) > 1 else topology.intra
     return links
 
 
-def describe_placement(topology: Topology, dp: int = 1, tp: int = 1, pp: int = 1) -> str:
+def describe_placement(topology: Topology, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -> str:
     """One line: which axis stays inside a node and which crosses nodes, over which link, e.g.
     ``2 nodes x 4 ranks; tp inside a node (nvlink), dp across nodes (ethernet: 12.5 GB/s, 20 µs)``."""
-    links = axis_links(topology, dp=dp, tp=tp, pp=pp)
+    links = axis_links(topology, dp=dp, tp=tp, pp=pp, cp=cp)
     parts = []
     for axis in AXES:
-        groups = axis_groups(axis, dp=dp, tp=tp, pp=pp)
+        groups = axis_groups(axis, dp=dp, tp=tp, pp=pp, cp=cp)
         if len(groups[0]) == 1:
             continue
         crossing = sum(topology.spans_nodes(g) for g in groups)
@@ -202,12 +204,13 @@ def describe_placement(topology: Topology, dp: int = 1, tp: int = 1, pp: int = 1
     return f"{topology.describe()}; {', '.join(parts) if parts else 'no axis communicates (one rank)'}"
 
 
-def _check_world(topology: Topology, dp: int, tp: int, pp: int) -> None:
-    for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+def _check_world(topology: Topology, dp: int, tp: int, pp: int, cp: int = 1) -> None:
+    for name, size in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
         positive_int(name, size)
-    if dp * tp * pp != topology.world:
-        raise ValueError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp} ranks but the topology has "
-                         f"{topology.describe()} = {topology.world}")
+    if dp * cp * tp * pp != topology.world:
+        cp_ = (" x cp", f" x {cp}") if cp > 1 else ("", "")
+        raise ValueError(f"dp{cp_[0]} x tp x pp = {dp}{cp_[1]} x {tp} x {pp} = {dp * cp * tp * pp} ranks but the "
+                         f"topology has {topology.describe()} = {topology.world}")
 
 
 __all__ = [

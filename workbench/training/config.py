@@ -23,6 +23,7 @@ from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig
 from workbench.parallel.recompute import check_mode as check_recompute_mode
 from workbench.theory.checks import positive_int, positive_number
 from workbench.theory.composition import Combination, check_composition
+from workbench.theory.context import check_cp
 from workbench.training.health import SPIKE_ACTIONS, SpikeDetector, split_windows
 
 S = TypeVar("S")
@@ -45,6 +46,8 @@ class RunConfig:
     microbatches: int | None = None  # the pipeline's micro-batches per step (default: 2 x pp)
     virtual_stages: int = 1  # stages per rank (interleaved)
     sp: bool = False  # sequence parallelism (needs tp > 1)
+    cp: int = 1  # context parallelism: the sequence split over cp ranks, attention as a ring (parallel.context)
+    cp_layout: str = "zigzag"  # cp's split: zigzag (chunks r and 2cp-1-r, balanced causal work) or contiguous
     recompute: str = "none"  # activation recomputation: none, selective (attention core), full (every block)
     precision: str = "fp32"  # compute dtype: fp32, bf16, fp16 (fp32 masters and optimizer state; fp16: loss scaler)
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32, or the compute dtype (needs zero=3)
@@ -92,7 +95,8 @@ class RunConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        model_parallel = self.tp * self.pp if all(isinstance(v, int) and v > 0 for v in (self.tp, self.pp)) else 1
+        sizes = (self.tp, self.pp, self.cp)
+        model_parallel = math.prod(sizes) if all(isinstance(v, int) and v > 0 for v in sizes) else 1
         if self.dp is None:
             self.dp = max(1, self.nproc // model_parallel)
         if self.microbatches is None:
@@ -109,10 +113,13 @@ class RunConfig:
             raise ValueError(f"unknown model {self.model!r}; valid: {sorted(PRESETS)}")
         positive_int("tp", self.tp)
         positive_int("pp", self.pp)
-        if self.dp * self.tp * self.pp != self.nproc:
-            raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.dp * self.tp * self.pp} but "
-                             f"nproc={self.nproc}: the mesh must use every rank; leave --dp out to get "
-                             f"nproc / (tp x pp)")
+        positive_int("cp", self.cp)
+        if self.dp * self.tp * self.pp * self.cp != self.nproc:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
+            raise ValueError(f"dp x tp x pp{' x cp' if cp else ''} = {self.dp} x {self.tp} x {self.pp}{cp} = "
+                             f"{self.dp * self.tp * self.pp * self.cp} but nproc={self.nproc}: the mesh must use every "
+                             f"rank; leave --dp out to get nproc / (tp x pp{' x cp' if cp else ''})")
+        self._validate_context_parallel()
         if self.sp and self.tp > 1:
             from workbench.parallel.tensor.sequence import check_sequence_parallel_sizes
 
@@ -155,6 +162,12 @@ class RunConfig:
         self._validate_links()
         if self.export is not None:
             ensure_writable(Path(self.export).parent)
+
+    def _validate_context_parallel(self) -> None:
+        check_cp(self.gpt_config().seq_len, self.cp, self.cp_layout)
+        if self.cp > 1 and self.val_every is not None:
+            raise ValueError(f"val_every={self.val_every} with cp={self.cp}: validation runs the whole sequence on "
+                             f"each rank, which a context-parallel model does not hold; leave --val-every out")
 
     def _validate_faults(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:

@@ -110,7 +110,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None) -> None:
         self.cfg = cfg
-        self.mesh = mesh or Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
+        self.mesh = mesh or Mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
         self.device = self.mesh.device
         model_cfg = cfg.gpt_config()
         self.dataset = make_lm_data(model_cfg.seq_len, cfg.data)  # host memory; each batch moves to the device
@@ -162,8 +162,8 @@ class Trainer:
         if tracer is not None and tracer.probe_memory:  # untraced (no tracer): nothing would record them
             s.record_memory()  # gradients and optimizer state are both alive here
             trace.record_device_memory(self.device, batch_bytes=x.nbytes + y.nbytes)
-        loss = local_loss.clone()
-        comm.all_reduce(loss, op="avg", group=self.mesh.dp_group, tag="metrics")
+        loss = local_loss.clone()  # the mean over this rank's tokens; cp ranks hold equal shares of each sequence
+        comm.all_reduce(loss, op="avg", group=self.mesh.dp_cp_group, tag="metrics")
         loss_value, grad_norm = _read_scalars(loss, stepped["grad_norm"])
         elapsed = time.time() - t0
         metrics = {"step": self.step_index, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,

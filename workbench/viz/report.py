@@ -318,7 +318,8 @@ def run_layout(config: dict[str, Any]) -> tuple[Layout, int]:
     m = (config.get("microbatches") or 1) if pp > 1 else config.get("grad_accum", 1)
     layout = Layout(dp=config["dp"], tp=config.get("tp", 1), pp=pp, sp=bool(config.get("sp")),
                     zero_stage=config.get("zero", 0), schedule=config.get("schedule", "1f1b"), microbatches=m,
-                    virtual_stages=config.get("virtual_stages", 1), offload=bool(config.get("offload")))
+                    virtual_stages=config.get("virtual_stages", 1), offload=bool(config.get("offload")),
+                    cp=config.get("cp", 1), cp_layout=config.get("cp_layout", "zigzag"))
     return layout, max(1, config["batch_size"] // (layout.dp * m))
 
 
@@ -388,7 +389,7 @@ def _memory_theory_per_stage(setup: tuple[dict[str, Any], Layout, int, int],
     per_pp, source = [], ""
     for info in mem["ranks"]:
         states = dict(info["per_rank"])
-        states["activations"], source = _activation_theory(shape, layout, micro, seq, recompute,
+        states["activations"], source = _activation_theory(shape, layout, micro, seq // layout.cp, recompute,
                                                            info["peak_held_layers"], states.get("activations", 0.0))
         per_pp.append(states)
     return per_pp, source
@@ -459,13 +460,17 @@ def memory_theory_section(memory: dict[str, Any]) -> list[str]:
     return parts
 
 
+#: The data-parallel traffic (gradients, ZeRO-3's parameters): theory's dp row, over dp x cp under context parallelism.
+GRADIENT_TAGS = ("grad", "param")
+
+
 def modelled_tags(layout: Layout) -> dict[str, set[str]]:
     """The comm-log tags whose bytes theory predicts, per mesh axis; scalars (clip, metrics, the pipeline's loss
     broadcast, AMP's agreement) and set-up traffic are not modelled."""
     tp = {"tp", "sp"}
     if layout.pp == 1:  # with pp > 1 the embedding/head/loss collectives sit on the first/last stage only
         tp |= {"tp_vocab", "tp_loss", "sp_vocab", "sp_grads"}
-    return {"dp": {"grad", "param"}, "tp": tp, "pp": {"pp_act", "pp_grad", "pp_tied"}}
+    return {"dp": {"grad", "param"}, "cp": {"cp_kv", "cp_grad_kv"}, "tp": tp, "pp": {"pp_act", "pp_grad", "pp_tied"}}
 
 
 def comm_theory(shape: dict[str, Any], layout: Layout, micro: int, seq: int, recompute: str) -> dict[str, float]:
@@ -476,7 +481,7 @@ def comm_theory(shape: dict[str, Any], layout: Layout, micro: int, seq: int, rec
     gradient all-reduce. A recv is theory's send seen from the receiving side."""
     comm = layout_comm(shape, layout, "fp32", micro_batch=micro, seq_len=seq, recompute=recompute)
     out: dict[str, float] = {}
-    for axis in ("dp", "tp", "pp"):
+    for axis in ("dp", "cp", "tp", "pp"):
         for op, size, count in comm[axis]["ops"]:
             out[f"{axis}/{op}"] = out.get(f"{axis}/{op}", 0.0) + size * count
     if layout.tp > 1 and layout.pp == 1:
@@ -486,8 +491,9 @@ def comm_theory(shape: dict[str, Any], layout: Layout, micro: int, seq: int, rec
             extra += sp_grad_collectives(shape["d_model"], shape["n_layer"], seq, 4)
         for op, size in extra:
             out[f"tp/{op}"] = out.get(f"tp/{op}", 0.0) + size
-    if "pp/send" in out:
-        out["pp/recv"] = out["pp/send"]
+    for axis in ("pp", "cp"):  # point to point: each rank receives what its neighbour sends
+        if f"{axis}/send" in out:
+            out[f"{axis}/recv"] = out[f"{axis}/send"]
     return out
 
 
@@ -500,7 +506,10 @@ def _measured_comm(traces: Sequence[Trace], groups: Sequence[dict[str, Any]] | N
         per = out.setdefault(t.rank, {})
         for c in t.comms:
             if c.step == step:
-                key = (names.get(tuple(sorted(c.group)), str(list(c.group))), c.op, c.tag)
+                axis = names.get(tuple(sorted(c.group)), str(list(c.group)))
+                if axis in ("cp", "dp_cp") and c.tag in GRADIENT_TAGS:  # cp ranks average gradients over dp x cp
+                    axis = "dp"
+                key = (axis, c.op, c.tag)
                 per[key] = per.get(key, 0) + c.nbytes
     return out
 
