@@ -116,9 +116,21 @@ def _gpt_case(layout: str) -> dict:
     return {"loss": loss, "grads": grads, "forward": _log(c0, c1), "backward": _log(c1, c2)}
 
 
+def _explicit_attention(rank: int, cp: int) -> dict:
+    """The same cases through the explicit fp32 block arithmetic (what a GPU or a 16-bit input takes) instead of
+    the fused CPU kernel."""
+    fused = cp_mod._FLASH_CPU
+    cp_mod._FLASH_CPU = None
+    try:
+        return {case: _attention_case(rank, cp, *case) for case in CASES}
+    finally:
+        cp_mod._FLASH_CPU = fused
+
+
 def _rank() -> dict:
     rank, cp = dist.get_rank(), dist.get_world_size()
     return {"attention": {case: _attention_case(rank, cp, *case) for case in CASES},
+            "explicit": _explicit_attention(rank, cp),
             "gpt": {layout: _gpt_case(layout) for layout in LAYOUTS}}
 
 
@@ -166,10 +178,11 @@ def _worst_units(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # -- ring attention vs full attention ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kernel", ["attention", "explicit"], ids=["fused-cpu-blocks", "explicit-blocks"])
 @pytest.mark.parametrize("causal,layout", CASES)
-def test_ring_attention_matches_full_attention(ranks, causal, layout):
+def test_ring_attention_matches_full_attention(ranks, causal, layout, kernel):
     want = _reference(causal)
-    got = [r["attention"][(causal, layout)] for r in ranks]
+    got = [r[kernel][(causal, layout)] for r in ranks]
     for name, dim in (("out", 2), ("lse", 2), ("dq", 2), ("dk", 2), ("dv", 2)):
         full = unshard_sequence([g[name] for g in got], layout, dim=dim)
         assert_close_to_scale(full, want[name], msg=f"cp={len(ranks)} {layout} causal={causal} {name}")
@@ -286,6 +299,20 @@ def test_a_row_with_no_visible_key_in_a_block_stays_finite():
     cp_mod._forward_block(qs, k[..., :1, :], v[..., :1, :], (0, 2, 0, 1, True, 2), q_pos, torch.tensor([0]), m,
                           row_sum, acc)
     assert torch.isfinite(m).all() and torch.equal(acc[0, 0, 0] / row_sum[0, 0, 0], v[0, 0, 0])
+
+
+def test_the_fused_kernel_keeps_a_blind_row_out_of_the_merge():
+    """The fused CPU kernel reports lse 0 and output 0 for a row that sees no key; the merge must give that row
+    weight 0 (lse -inf), so after the block holding key 0 the row is that key's value exactly."""
+    q, k, v = _seeded(1, 1, 2, 4, seed=6), _seeded(1, 1, 2, 4, seed=7), _seeded(1, 1, 2, 4, seed=8)
+    q_pos, k_pos = torch.tensor([0, 1]), torch.tensor([1, 2])
+    out, lse = torch.zeros(1, 1, 2, 4), torch.full((1, 1, 2), -math.inf)
+    cp_mod._forward_block_fused(q, k, v, (0, 2, 0, 2, True, 1), q_pos, k_pos, out, lse)
+    assert lse[0, 0, 0] == -math.inf and torch.isfinite(lse[0, 0, 1]) and torch.isfinite(out).all()
+    cp_mod._forward_block_fused(q, k[..., :1, :], v[..., :1, :], (0, 2, 0, 1, True, 2), q_pos, torch.tensor([0]),
+                                out, lse)
+    assert torch.isfinite(lse).all()
+    torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0], rtol=0, atol=4 * eps())  # one key: softmax weight 1
 
 
 # -- layouts, balance, theory, errors ----------------------------------------------------------------------------

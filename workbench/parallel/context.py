@@ -149,6 +149,59 @@ def _backward_block(qs, k, v, span, q_pos, k_pos, lse, do, delta, dq, scale):
     return dk, dv
 
 
+# -- one block, by torch's fused CPU kernel ----------------------------------------------------------------------
+# The same block through aten's flash-attention kernel for the CPU, which returns the block's log-sum-exp too: the
+# explicit fp32 arithmetic above took 85-95 % of a ring step (benchmarks/bench_context.py), 2.7x the fused kernel's
+# time on a 1024 x 1024 block. Its backward takes the *final* output and log-sum-exp (FlashAttention-2's backward,
+# Dao 2023), which is exactly what a ring block's backward needs. Used for fp32 CPU tensors; anything else (CUDA,
+# 16-bit inputs, a gradient flowing into the log-sum-exp) takes the explicit path, which computes the same.
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == torch.float32
+
+
+def _block_mask(span: tuple, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The additive mask of a masked span (0 visible, -inf hidden) and which of its rows see no key at all."""
+    r0, r1, c0, c1, masked, _ = span
+    if not masked:
+        return None, q_pos.new_zeros(r1 - r0, dtype=torch.bool)
+    hidden = q_pos[r0:r1, None] < k_pos[None, c0:c1]
+    mask = torch.zeros(hidden.shape, dtype=torch.float32, device=q_pos.device).masked_fill(hidden, -math.inf)
+    return mask, hidden.all(-1)
+
+
+def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return t[..., a:b, :].contiguous()
+
+
+def _forward_block_fused(q, k, v, span, q_pos, k_pos, out, lse) -> None:
+    """Fold one block into the running (out, lse) in place: out ← out·e^(lse−lse') + out_b·e^(lse_b−lse')."""
+    r0, r1, c0, c1 = span[:4]
+    mask, blind = _block_mask(span, q_pos, k_pos)
+    out_b, lse_b = _FLASH_CPU(_rows(q, r0, r1), _rows(k, c0, c1), _rows(v, c0, c1), 0.0, False, attn_mask=mask)
+    lse_b = lse_b.masked_fill(blind, -math.inf)  # the kernel reports 0 for a row with no visible key
+    old = lse[..., r0:r1]
+    new = torch.logaddexp(old, lse_b)
+    safe = new.masked_fill(new == -math.inf, 0.0)  # no key seen yet in any block: weights 0, never NaN
+    out[..., r0:r1, :] = (out[..., r0:r1, :] * torch.exp(old - safe)[..., None]
+                          + out_b.nan_to_num() * torch.exp(lse_b - safe)[..., None])
+    lse[..., r0:r1] = new
+
+
+def _backward_block_fused(q, k, v, span, q_pos, k_pos, out, lse, do, dq):
+    r0, r1, c0, c1 = span[:4]
+    mask, _ = _block_mask(span, q_pos, k_pos)
+    dq_b, dk, dv = _FLASH_CPU_BACKWARD(_rows(do, r0, r1), _rows(q, r0, r1), _rows(k, c0, c1), _rows(v, c0, c1),
+                                       _rows(out, r0, r1), lse[..., r0:r1].contiguous(), 0.0, False,
+                                       attn_mask=mask)
+    dq[..., r0:r1, :] += dq_b
+    return dk, dv
+
+
 # -- the ring ------------------------------------------------------------------------------------------------------
 
 class _Ring:
@@ -178,7 +231,36 @@ def _wait(works: list[comm.Work]) -> None:
         w.wait()
 
 
+def _count(span: tuple) -> None:
+    _STATS.blocks += 1
+    _STATS.pairs_computed += (span[1] - span[0]) * (span[3] - span[2])
+    _STATS.pairs_visible += span[5]
+
+
+def _ring_forward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> tuple[torch.Tensor, ...]:
+    """``_ring_forward`` with each block by the fused CPU kernel, merged as (out, lse) pairs."""
+    out = torch.zeros_like(q)
+    lse = q.new_full(q.shape[:-1], -math.inf)
+    kv = torch.stack([k, v])
+    for step, span in enumerate(ring.spans):
+        works: list[comm.Work] = []
+        if step < ring.cp - 1:  # the next block is on its way before this one is computed
+            kv_next, works = ring.shift(kv, CP_KV_TAG)
+        if span is None:
+            _STATS.skipped += 1
+        else:
+            with trace.span(BLOCK_SPAN, "forward"):
+                _forward_block_fused(q, kv[0], kv[1], span, ring.positions[0], ring.positions[step], out, lse)
+            _count(span)
+        _wait(works)
+        if works:
+            kv = kv_next
+    return out, lse
+
+
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> tuple[torch.Tensor, ...]:
+    if _fused(q):
+        return _ring_forward_fused(q, k, v, ring)
     scale = 1.0 / math.sqrt(q.shape[-1])
     qs = q.float() * scale
     m = qs.new_full(q.shape[:-1], -math.inf)
@@ -195,9 +277,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
         else:
             with trace.span(BLOCK_SPAN, "forward"):
                 _forward_block(qs, kv[0].float(), kv[1].float(), span, q_pos, ring.positions[step], m, row_sum, acc)
-            _STATS.blocks += 1
-            _STATS.pairs_computed += (span[1] - span[0]) * (span[3] - span[2])
-            _STATS.pairs_visible += span[5]
+            _count(span)
         _wait(works)
         if works:
             kv = kv_next
@@ -210,12 +290,17 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, ring: _Ring) -> tuple[torch.Te
     scale = 1.0 / math.sqrt(q.shape[-1])
     qs = q.float() * scale
     do = dout.float() if dout is not None else qs.new_zeros(q.shape)
-    delta = (do * out.float()).sum(-1)  # D_i = Σ_d dO·O: the softmax's row term
-    if dlse is not None:
-        delta = delta - dlse.float()  # ∂lse/∂s = p, so a gradient on lse enters ds = p·(dp − D + dlse)
     dq = torch.zeros_like(qs)
+    if _fused(q) and dlse is None and dout is not None:
+        block = lambda kv, span, k_pos: _backward_block_fused(  # noqa: E731
+            q, kv[0], kv[1], span, ring.positions[0], k_pos, out, lse, do, dq)
+    else:
+        delta = (do * out.float()).sum(-1)  # D_i = Σ_d dO·O: the softmax's row term
+        if dlse is not None:
+            delta = delta - dlse.float()  # ∂lse/∂s = p, so a gradient on lse enters ds = p·(dp − D + dlse)
+        block = lambda kv, span, k_pos: _backward_block(  # noqa: E731
+            qs, kv[0].float(), kv[1].float(), span, ring.positions[0], k_pos, lse, do, delta, dq, scale)
     kv = torch.stack([k, v])
-    q_pos = ring.positions[0]
     acc, acc_works, kv_works = None, [], []
     for step, span in enumerate(ring.spans):
         kv_works = []
@@ -224,8 +309,7 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, ring: _Ring) -> tuple[torch.Te
         part = None
         if span is not None:
             with trace.span(BLOCK_SPAN, "backward"):
-                part = _backward_block(qs, kv[0].float(), kv[1].float(), span, q_pos, ring.positions[step], lse,
-                                       do, delta, dq, scale)
+                part = block(kv, span, ring.positions[step])
             _STATS.backward_blocks += 1
         _wait(acc_works)  # this block's accumulator, from the ranks it visited before (step 0: none yet)
         if acc is None:
