@@ -10,8 +10,10 @@ online-softmax update (Milakov & Gimelshein 2018): a running row max m, row sum 
 
     m' = max(m, rowmax(s)),  l' = l·e^(m−m') + Σ e^(s−m'),  acc' = acc·e^(m−m') + e^(s−m')·V,
 
-so no rank ever holds more than one block of scores, and out = acc/l, lse = m + log l at the end. Blocks are
-computed in fp32 whatever the inputs' dtype; the causal mask comes from the tokens' *global* positions, and a
+so no rank ever holds more than one block of scores, and out = acc/l, lse = m + log l at the end. fp32 blocks on
+the CPU go through aten's fused flash-attention kernel, which returns each block's (out, lse), merged as
+out ← out·e^(lse−lse') + out_b·e^(lse_b−lse'); other blocks (CUDA, 16-bit inputs) are computed explicitly in fp32
+as above, whatever the inputs' dtype. The causal mask comes from the tokens' *global* positions, and a
 block the mask empties is skipped (``theory.context.block_span``: in zigzag no block is empty, and an
 off-diagonal block is exactly half a block, computed unmasked).
 
