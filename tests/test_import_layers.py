@@ -60,6 +60,8 @@ STRATEGIES = {
     "workbench.parallel.zero": "ZeRO 1/2/3: flat buckets, sharded optimizer, gradients, fully sharded model",
 }
 HELPERS = {
+    "workbench.parallel.compression": "gradient compressors (bf16, PowerSGD, top-k, sign) any data-parallel strategy "
+                                      "may reduce through",
     "workbench.parallel.collectives": "algorithms over comm (ring, tree) that any strategy may call",
     "workbench.parallel.grad_norm": "clipping a split model: shared by every strategy that shards parameters",
     "workbench.parallel.buckets": "size-capped gradient buckets (Li et al. 2020): shared by DDP, ZeRO and lab 03",

@@ -16,6 +16,7 @@ from workbench.dist.launch import VALID_BACKENDS, VALID_DEVICES
 from workbench.parallel import DDP_KINDS, ZERO_STAGES
 from workbench.parallel.recompute import RECOMPUTE_MODES as RUN_RECOMPUTE_MODES
 from workbench.run import comm_group_labels, run_training, summarize, write_outputs
+from workbench.theory.compression import COMPRESSIONS
 from workbench.theory.pipeline import SCHEDULES
 
 #: The run itself lives in ``workbench.run``; these names are kept here, where notebooks and scripts import them.
@@ -65,6 +66,14 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--clip", type=float, default=1.0, help="max global grad norm (0 disables)")
     p.add_argument("--seed", type=int, default=0, help="fixes model init and data order")
     p.add_argument("--ddp", choices=DDP_KINDS, default="bucketed", help="gradient synchronisation")
+    p.add_argument("--grad-compression", choices=COMPRESSIONS, default="none",
+                   help="compress the DDP wrappers' gradient all-reduce (zero 0 or 1): bf16, powersgd (Vogels et al. "
+                        "2019), topk or sign (EF-SignSGD), the last three with error feedback")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="--grad-compression powersgd: rank r of P Q^T")
+    p.add_argument("--topk-ratio", type=float, default=0.01,
+                   help="--grad-compression topk: share of each gradient's entries sent, in (0, 1]")
+    p.add_argument("--compression-warmup", type=int, default=0,
+                   help="plain all-reduce for this many first steps before compressing (torch's start_powerSGD_iter)")
     p.add_argument("--bucket-mb", type=_bucket_mb, default=25.0, metavar="MIB|none",
                    help="--ddp bucketed: cap of a gradient bucket in MiB; 'none': one bucket for every gradient")
     p.add_argument("--zero3-replicate", nargs="+", default=[], metavar="PATTERN",

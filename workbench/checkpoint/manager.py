@@ -107,6 +107,8 @@ class CheckpointManager:
                                                  "data_skip": data_skip}}
         if s.scaler is not None:
             state["scaler"] = s.scaler.state_dict()
+        if s.compressor is not None:  # this rank's error-feedback residuals, PowerSGD's Q, the step count
+            state["compressor"] = s.compressor.state_dict()
         meta = {"run_config": checkpoint_config(self.run), "strategy": s.describe}
         t0 = time.perf_counter()
         with trace.span(f"checkpoint step {step}", "other"):
@@ -147,6 +149,8 @@ class CheckpointManager:
             raise CheckpointError(f"{step_dir(self.settings.ckpt_dir, step)} holds step {state['step']}, not {step}")
         self.strategy.model.load_state_dict(state["model"])
         self.strategy.optimizer.load_state_dict(state["optim"])
+        if self.strategy.compressor is not None and state.get("compressor"):  # same layout: this rank's residuals
+            self.strategy.compressor.load_state_dict(state["compressor"])
         return Resumed(step, skipped, *self._restore_progress(state))
 
     def _pick_step(self, after_restart: bool) -> tuple[int, str, list[str]]:

@@ -49,6 +49,14 @@ Common behaviour (what a torch ``DistributedDataParallel`` user expects, with th
 Every collective goes through ``workbench.comm`` with ``tag="grad"``, so the communication log shows the
 difference between the four: per step, naive issues one all-reduce per trainable parameter, flat one,
 overlap one per parameter (started during backward), bucketed one per bucket (started during backward).
+
+Gradient compression: every wrapper takes ``compressor=`` (a ``parallel.compression.Compressor`` or its name:
+``none``, ``bf16``, ``powersgd``, ``topk``, ``sign``). Each *unit* the wrapper would all-reduce (a gradient for
+naive and overlap, the flat buffer for flat, a bucket for bucketed; ``reduction_units()`` lists their shapes) is
+handed to the compressor instead, with the shapes of the parameters in it so that PowerSGD treats each matrix on
+its own, as torch's PowerSGD hook does within a bucket. The hooked wrappers start it from the autograd hook, as
+they start an all-reduce; ``finish_gradient_synchronization`` waits for it (PowerSGD's second round trip runs
+there) and closes the compressor's step. ``compressor=None`` (the default) is the plain code path, unchanged.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from workbench import trace
 from workbench.dist import comm
 from workbench.dist.launch import rank_device
 from workbench.parallel.buckets import bucket_params
+from workbench.parallel.compression import Compressor, Pending, resolve_compressor
 
 DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
 _MB = 2**20
@@ -84,7 +93,8 @@ def broadcast_module_state(module: nn.Module, group: Any = None) -> None:
 class _DataParallel(nn.Module):
     """What all four wrappers share: the broadcast, the names, ``no_sync`` and the sync bookkeeping."""
 
-    def __init__(self, module: nn.Module, group: Any = None, find_unused_parameters: bool = False) -> None:
+    def __init__(self, module: nn.Module, group: Any = None, find_unused_parameters: bool = False,
+                 compressor: Compressor | str | None = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -95,6 +105,7 @@ class _DataParallel(nn.Module):
         # ranks and NCCL GPUs.
         self.device = next((t.device for t in module.parameters()), rank_device())
         self.find_unused_parameters = bool(find_unused_parameters)
+        self.compressor = resolve_compressor(compressor)  # None: plain all-reduce (parallel/compression.py)
         # module.parameters() yields a tied Parameter once; frozen ones need no gradient sync.
         self._grad_params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
         self._require_sync = True  # False inside no_sync()
@@ -160,6 +171,11 @@ class _DataParallel(nn.Module):
         self._sync_pending = True
         self.finish_gradient_synchronization()
 
+    def reduction_units(self) -> list[list[torch.Size]]:
+        """The shapes of the gradients in each unit this wrapper reduces, in the order it reduces them (what a
+        compressor sees; ``theory.compression.step_bytes`` takes this list)."""
+        return [[p.shape] for p in self._grad_params]
+
     def _drop_globally_unused(self, used: list[bool]) -> None:
         counts = torch.tensor(used, dtype=torch.float32, device=self.device)
         comm.all_reduce(counts, "sum", group=self.group, tag="grad_used")
@@ -185,6 +201,11 @@ class NaiveDDP(_DataParallel):
 
     def _synchronize(self) -> None:
         with trace.span("all-reduce each gradient", "comm"):
+            if self.compressor is not None:
+                for i, p in enumerate(self._grad_params):
+                    self.compressor.reduce(self._grad_or_zeros(p), self.group, key=i).wait()
+                self.compressor.end_step()
+                return
             for p in self._grad_params:
                 comm.all_reduce(self._grad_or_zeros(p), "avg", group=self.group, tag="grad")
 
@@ -196,8 +217,9 @@ class FlatDDP(_DataParallel):
     many small ones), at the price of a copy in and out and a buffer as large as all gradients.
     """
 
-    def __init__(self, module: nn.Module, group: Any = None, find_unused_parameters: bool = False) -> None:
-        super().__init__(module, group, find_unused_parameters)
+    def __init__(self, module: nn.Module, group: Any = None, find_unused_parameters: bool = False,
+                 compressor: Compressor | str | None = None) -> None:
+        super().__init__(module, group, find_unused_parameters, compressor)
         dtypes = {p.dtype for p in self._grad_params}
         if len(dtypes) > 1:
             raise ValueError(f"FlatDDP needs one gradient dtype, got {sorted(map(str, dtypes))}; "
@@ -206,12 +228,19 @@ class FlatDDP(_DataParallel):
         self._flat = torch.zeros(sum(p.numel() for p in self._grad_params), dtype=dtype, device=self.device)
         trace.ledger_set("comm_buffers", trace.tensor_bytes([self._flat]))
 
+    def reduction_units(self) -> list[list[torch.Size]]:
+        return [[p.shape for p in self._grad_params]]
+
     def _synchronize(self) -> None:
         with trace.span("all-reduce flat gradients", "comm"):
             views = self._flat.split([p.numel() for p in self._grad_params])
             for p, view in zip(self._grad_params, views, strict=True):
                 view.copy_(self._grad_or_zeros(p).reshape(-1))
-            comm.all_reduce(self._flat, "avg", group=self.group, tag="grad")
+            if self.compressor is None:
+                comm.all_reduce(self._flat, "avg", group=self.group, tag="grad")
+            else:
+                self.compressor.reduce(self._flat, self.group, shapes=self.reduction_units()[0], key=0).wait()
+                self.compressor.end_step()
             for p, view in zip(self._grad_params, views, strict=True):
                 p.grad.copy_(view.view_as(p.grad))
 
@@ -226,8 +255,9 @@ class _HookedDDP(_DataParallel):
     Units still waiting at ``finish_gradient_synchronization`` are launched there.
     """
 
-    def __init__(self, module: nn.Module, group: Any = None, find_unused_parameters: bool = False) -> None:
-        super().__init__(module, group, find_unused_parameters)
+    def __init__(self, module: nn.Module, group: Any = None, find_unused_parameters: bool = False,
+                 compressor: Compressor | str | None = None) -> None:
+        super().__init__(module, group, find_unused_parameters, compressor)
         self._units: list[list[nn.Parameter]] = self._build_units()
         self._unit_of = {id(p): i for i, unit in enumerate(self._units) for p in unit}
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -241,7 +271,7 @@ class _HookedDDP(_DataParallel):
         self._ready: set[int] = set()
         self._missing = [len(unit) for unit in self._units]
         self._next_unit = 0
-        self._handles: list[comm.Work] = []
+        self._handles: list[comm.Work | Pending] = []
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         # Fires once per backward per parameter, after autograd has summed all of its contributions.
@@ -254,9 +284,16 @@ class _HookedDDP(_DataParallel):
             self._launch(self._next_unit)
 
     def _launch(self, i: int) -> None:
-        self._handles.append(comm.all_reduce(self._unit_tensor(i), "avg", group=self.group, async_op=True,
-                                             tag="grad"))
+        if self.compressor is None:
+            self._handles.append(comm.all_reduce(self._unit_tensor(i), "avg", group=self.group, async_op=True,
+                                                 tag="grad"))
+        else:  # the unit's parameter shapes, so PowerSGD compresses each matrix on its own
+            self._handles.append(self.compressor.reduce(self._unit_tensor(i), self.group,
+                                                        shapes=[p.shape for p in self._units[i]], key=i))
         self._next_unit = i + 1
+
+    def reduction_units(self) -> list[list[torch.Size]]:
+        return [[p.shape for p in unit] for unit in self._units]
 
     def _synchronize(self) -> None:
         with trace.span("wait for gradient all-reduce", "wait"):
@@ -268,6 +305,8 @@ class _HookedDDP(_DataParallel):
             for handle in self._handles:
                 handle.wait()
             self._handles = []
+            if self.compressor is not None:
+                self.compressor.end_step()
             self._unstage()
 
     # What differs between per-parameter and per-bucket reduction.
@@ -318,13 +357,14 @@ class BucketedDDP(_HookedDDP):
     """
 
     def __init__(self, module: nn.Module, group: Any = None, bucket_mb: float | None = 25.0,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True) -> None:
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
+                 compressor: Compressor | str | None = None) -> None:
         if bucket_mb is not None and (not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool)
                                       or bucket_mb <= 0):
             raise ValueError(f"bucket_mb must be a positive number of MiB, or None for one bucket, got {bucket_mb!r}")
         self.bucket_mb = None if bucket_mb is None else float(bucket_mb)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        super().__init__(module, group, find_unused_parameters)
+        super().__init__(module, group, find_unused_parameters, compressor)
         self._bucket_buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
                                 for b in self._units]
         self._slot: dict[int, torch.Tensor] = {}
@@ -381,15 +421,16 @@ class BucketedDDP(_HookedDDP):
 
 
 def make_ddp(module: nn.Module, kind: str, group: Any = None, bucket_mb: float | None = 25.0,
-             **kwargs: Any) -> _DataParallel:
+             compressor: Compressor | str | None = None, **kwargs: Any) -> _DataParallel:
     """Wrap ``module`` in the data-parallel wrapper named ``kind`` (one of ``DDP_KINDS``); ``bucket_mb`` is
-    ``BucketedDDP``'s (None: one bucket for every gradient) and is ignored by the other kinds."""
+    ``BucketedDDP``'s (None: one bucket for every gradient) and is ignored by the other kinds. ``compressor``: None
+    (plain all-reduce), a name in ``parallel.compression.COMPRESSIONS`` or a ``Compressor`` (one per wrapper)."""
     if kind == "naive":
-        return NaiveDDP(module, group, **kwargs)
+        return NaiveDDP(module, group, compressor=compressor, **kwargs)
     if kind == "flat":
-        return FlatDDP(module, group, **kwargs)
+        return FlatDDP(module, group, compressor=compressor, **kwargs)
     if kind == "overlap":
-        return OverlapDDP(module, group, **kwargs)
+        return OverlapDDP(module, group, compressor=compressor, **kwargs)
     if kind == "bucketed":
-        return BucketedDDP(module, group, bucket_mb=bucket_mb, **kwargs)
+        return BucketedDDP(module, group, bucket_mb=bucket_mb, compressor=compressor, **kwargs)
     raise ValueError(f"unknown DDP kind {kind!r}; valid: {', '.join(DDP_KINDS)}")

@@ -39,6 +39,10 @@ DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
 class ParallelConfig:
     ddp: str = "bucketed"
     bucket_mb: float | None = 25.0  # BucketedDDP's cap; None: one bucket for every gradient
+    grad_compression: str = "none"  # the DDP wrappers' reducer (parallel.compression); none: the plain all-reduce
+    powersgd_rank: int = 4
+    topk_ratio: float = 0.01
+    compression_warmup: int = 0
     zero: int = 0
     #: ZeRO-3 only: parameters kept whole on every rank (FSDP's ignored parameters), their gradients all-reduced.
     #: Glob patterns matched against each parameter's name or, case-insensitively, its module's class name:
@@ -83,6 +87,8 @@ class Parallelized:
     forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     #: fp16's dynamic loss scaler (None in fp32/bf16): the trainer checkpoints its ``state_dict``.
     scaler: DynamicLossScaler | None = None
+    #: the gradient compressor (None: plain all-reduce): its residuals and PowerSGD's Q go into each checkpoint.
+    compressor: Any = None
     #: ``unscale_grads(factor) -> grads``: multiply the gradients this rank holds after ``finish_grad_sync``
     #: (``p.grad`` of a replicated model, ZeRO-2/3's gradient shards) by ``factor`` and return them.
     unscale_grads: Callable[[float], list[torch.Tensor]] | None = None
@@ -221,7 +227,7 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     check_composition(Combination(tp=mesh.tp_size, pp=mesh.pp_size, sp=cfg.sp, zero=cfg.zero,
                                   grad_accum=cfg.grad_accum, zero3_replicate=tuple(cfg.zero3_replicate),
                                   reduce_dtype=cfg.reduce_dtype, offload=cfg.offload, cp=mesh.size("cp"),
-                                  recompute=cfg.recompute))
+                                  recompute=cfg.recompute, grad_compression=cfg.grad_compression))
     amp = _precision(mesh, cfg)
     if mesh.size("cp") > 1:
         strategy = _with_context_parallel(model, mesh, cfg, amp)
@@ -473,7 +479,7 @@ def _ddp(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
     """ZeRO-0: a DDP wrapper + AdamW. ZeRO-1: the same wrapper + the sharded optimizer."""
     from workbench.parallel.ddp import make_ddp
 
-    wrapped = make_ddp(model, cfg.ddp, group=mesh.dp_group, bucket_mb=cfg.bucket_mb)
+    wrapped = make_ddp(model, cfg.ddp, group=mesh.dp_group, bucket_mb=cfg.bucket_mb, compressor=_compressor(cfg))
     params = [p for p in wrapped.parameters() if p.requires_grad]
     if cfg.zero == 1:
         from workbench.parallel.zero import ZeroOptimizer
@@ -485,8 +491,26 @@ def _ddp(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
         optimizer = torch.optim.AdamW(params, **_optimizer_kwargs(cfg))
         clip, what = _clip_replicated(wrapped), f"{cfg.ddp} DDP"
         record = lambda: _record_replicated_memory(wrapped, optimizer)  # noqa: E731
+    if wrapped.compressor is not None:
+        what += f" ({_compression_name(cfg)} gradients)"
     return Parallelized(wrapped, optimizer, wrapped.no_sync, wrapped.finish_gradient_synchronization, clip,
-                        lambda: _named_trainable(wrapped), record, what + (" + offload" if cfg.offload else ""))
+                        lambda: _named_trainable(wrapped), record, what + (" + offload" if cfg.offload else ""),
+                        compressor=wrapped.compressor)
+
+
+def _compressor(cfg: ParallelConfig) -> Any:
+    """The DDP wrappers' reducer (``parallel.compression``), or None for the plain all-reduce."""
+    if cfg.grad_compression == "none":
+        return None
+    from workbench.parallel.compression import make_compressor
+
+    return make_compressor(cfg.grad_compression, powersgd_rank=cfg.powersgd_rank, topk_ratio=cfg.topk_ratio,
+                           warmup_steps=cfg.compression_warmup)
+
+
+def _compression_name(cfg: ParallelConfig) -> str:
+    detail = {"powersgd": f" rank {cfg.powersgd_rank}", "topk": f" {cfg.topk_ratio:g}"}.get(cfg.grad_compression, "")
+    return f"{cfg.grad_compression}{detail}"
 
 
 def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig, param_groups: list[dict[str, Any]] | None = None,

@@ -49,6 +49,7 @@ class Combination:
     offload: bool = False
     cp: int = 1
     recompute: str = "none"
+    grad_compression: str = "none"
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"recompute='selective' with cp={c.cp}: ring attention already keeps only q, k, v, its output "
                    f"and log-sum-exp and recomputes each block's scores in backward, which is all selective "
                    f"recomputation would save; use recompute='none' or 'full'"),
+    Rule("compression needs an all-reduce", lambda c: c.grad_compression != "none" and (c.zero > 1 or c.pp > 1),
+         lambda c: f"grad_compression={c.grad_compression!r} compresses the DDP wrappers' gradient all-reduce (zero 0 "
+                   f"or 1, with or without tp and cp); got zero={c.zero}, pp={c.pp}: ZeRO-2/3 reduce-scatter gradient "
+                   f"shards, which a low-rank or sparse message does not split into, and the pipeline's stage "
+                   f"gradients are averaged once after its schedule, outside the wrappers"),
     Rule("offload needs zero", lambda c: c.offload and c.zero == 0,
          lambda c: "offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated"),
 )

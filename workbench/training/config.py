@@ -23,6 +23,7 @@ from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig
 from workbench.parallel.recompute import check_mode as check_recompute_mode
 from workbench.theory.checks import positive_int, positive_number
 from workbench.theory.composition import Combination, check_composition
+from workbench.theory.compression import check_rank, check_ratio, check_scheme
 from workbench.theory.context import check_cp
 from workbench.training.health import SPIKE_ACTIONS, SpikeDetector, split_windows
 
@@ -64,6 +65,10 @@ class RunConfig:
     seed: int = 0
     ddp: str = "bucketed"
     bucket_mb: float | None = 25.0  # None: one bucket for every gradient
+    grad_compression: str = "none"  # none, bf16, powersgd, topk, sign: the DDP wrappers' reducer (parallel.compression)
+    powersgd_rank: int = 4  # grad_compression=powersgd: the rank r of each matrix's P Q^T
+    topk_ratio: float = 0.01  # grad_compression=topk: the share of each gradient's entries sent
+    compression_warmup: int = 0  # plain all-reduce for this many first steps (torch's start_powerSGD_iter)
     zero: int = 0
     zero3_replicate: list[str] = field(default_factory=list)  # ZeRO-3: glob patterns of parameters kept whole
     offload: bool = False
@@ -140,6 +145,13 @@ class RunConfig:
             raise ValueError(f"ddp={self.ddp!r}; valid: {', '.join(DDP_KINDS)}")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero!r}; valid: {ZERO_STAGES}")
+        check_scheme(self.grad_compression)
+        check_rank(self.powersgd_rank)
+        check_ratio(self.topk_ratio)
+        if isinstance(self.compression_warmup, bool) or not isinstance(self.compression_warmup, int) \
+                or self.compression_warmup < 0:
+            raise ValueError(f"compression_warmup must be an int >= 0 (steps of plain all-reduce first), got "
+                             f"{self.compression_warmup!r}")
         mib = self.bucket_mb
         if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0):
             raise ValueError(f"bucket_mb must be > 0 MiB, or None for one bucket, got {self.bucket_mb}")

@@ -171,6 +171,9 @@ class Trainer:
                    "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"]}
         if tracer is not None:  # this rank's forward, backward and optimizer; the rest of the step it waited
             metrics["compute_s"] = tracer.take_compute_s()
+        if s.compressor is not None and s.compressor.history:  # bytes this rank's gradients took, and the saving
+            sent = s.compressor.history[-1]
+            metrics.update(grad_bytes_sent=sent.sent, compression_ratio=sent.ratio)
         if tracer is not None:
             tracer.record_metrics(metrics)
         self.step_index += 1
