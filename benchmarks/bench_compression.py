@@ -20,6 +20,18 @@ from one thread in unit order, so it is safe with any number of buckets; one buc
 
 Bytes per step and rank: ours from the communication log (``tag="grad"``, payload as ``theory.compression`` counts
 it), torch's from its ``PowerSGDState`` counters (elements after compression x 4 bytes): the two must agree.
+
+Row ``compression_over_slow_link``: every scheme of ``parallel.compression`` (none, bf16, PowerSGD rank 4, top-k
+1 %, sign) in our BucketedDDP (one bucket) on 2 ranks placed as 2 *emulated* nodes joined by a slow link
+(``SLOW_LINK``: 0.05 GB/s, 1 ms; ``workbench.dist.emulation``), so the bench GPT's 43 MB fp32 all-reduce (about
+0.87 s modelled) dominates the uncompressed step (its share is reported as ``link_share``). Step times are **emulated**
+time: real compute plus the α-β model's link time of every gradient collective. The five setups run in the same two
+processes, their steps interleaved (the order rotated each step); compressors compress from their first step
+(``warmup_steps=0``) and the bench drops its own warm-up steps. Per scheme: median step (slowest rank), the link
+seconds the model charged (``modelled_s`` of the step's ``tag="grad"`` ops), bytes sent per step and rank
+(``Compressor.history``) beside ``theory.compression.step_bytes``' payload, and step / uncompressed step. Headline:
+the best compressor's step against the uncompressed one's. Only the inter-node link is emulated: compute, and the
+compressors' own compression work, are this CPU's.
 """
 
 from __future__ import annotations
@@ -36,6 +48,13 @@ BUCKET_MB = 64.0
 RANK = 4
 START_ITER = 2
 CONFIGS = ("ours", "torch", "torch_uncompressed")
+# compression_over_slow_link: 2 emulated nodes of one rank each; "GBPS,US" (parse_link). At 0.05 GB/s (400 Mbit/s) the
+# 43 MB fp32 all-reduce is modelled at ~0.87 s (ring, N = 2: S/B + 2 alpha). A batch-1 step's compute with both ranks
+# on 2 shared cores measured ~0.6 s here (0.1 GB/s left the link only ~40 % of the uncompressed step).
+SLOW_LINK = "0.05,1000"
+SLOW_NODES = 2
+SCHEMES = ("none", "bf16", "powersgd", "topk", "sign")
+TOPK_RATIO = 0.01
 
 
 def _torch_hooked(model: Any) -> tuple[Any, Any]:
@@ -102,8 +121,7 @@ def _slowest_rank_steps(results: list[dict[str, Any]], config: str) -> list[floa
     return [max(t[i] for t in per_rank) for i in range(len(per_rank[0]))]
 
 
-def rows(quick: bool) -> list[dict[str, Any]]:
-
+def powersgd_vs_torch_hook_row(quick: bool) -> dict[str, Any]:
     from harness import device_and_world  # beside this file (benchmarks/)
 
     from workbench import launch
@@ -115,7 +133,7 @@ def rows(quick: bool) -> list[dict[str, Any]]:
     median = {c: statistics.median(v) for c, v in per_step.items()}
     ours, ref = median["ours"], median["torch"]
     first = results[0]
-    return [{
+    return {
         "benchmark": "powersgd_vs_torch_hook",
         "ours": ours,
         "reference": ref,
@@ -135,7 +153,98 @@ def rows(quick: bool) -> list[dict[str, Any]]:
             "bytes_logged_ours": first["ours_logged"], "bytes_uncompressed": first["uncompressed_bytes"],
             "compression_ratio": first["uncompressed_bytes"] / first["ours_bytes"],
         },
-    }]
+    }
+
+
+def _slow_link_rank(steps: int, warmup: int) -> dict[str, Any]:
+    """Every scheme's BucketedDDP (one bucket) in this rank, steps interleaved, the order rotated each step."""
+    import torch
+    import torch.distributed as dist
+
+    from workbench import trace
+    from workbench.models import GPTConfig, build_gpt
+    from workbench.parallel.compression import make_compressor
+    from workbench.parallel.ddp import BucketedDDP
+    from workbench.theory.compression import step_bytes
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig.preset("bench", seq_len=SEQ_LEN)
+    compressors = {s: make_compressor(s, powersgd_rank=RANK, topk_ratio=TOPK_RATIO, warmup_steps=0) for s in SCHEMES}
+    wrapped = {s: BucketedDDP(build_gpt(cfg, seed=0), bucket_mb=None, compressor=compressors[s]) for s in SCHEMES}
+    optimizers = {s: torch.optim.AdamW(m.parameters(), lr=1e-4) for s, m in wrapped.items()}
+    g = torch.Generator(device="cpu").manual_seed(1000 + dist.get_rank())
+    times: dict[str, list[float]] = {s: [] for s in SCHEMES}
+    link_s: dict[str, list[float]] = {s: [] for s in SCHEMES}
+    comms = trace.current().trace.comms
+    for step in range(warmup + steps):
+        x = torch.randint(0, cfg.vocab_size, (LOCAL_BATCH, SEQ_LEN + 1), generator=g, device="cpu")
+        shift = step % len(SCHEMES)
+        for scheme in SCHEMES[shift:] + SCHEMES[:shift]:
+            comms.clear()
+            seconds = _step(wrapped[scheme], optimizers[scheme], x, ours=True)
+            if step >= warmup:
+                times[scheme].append(seconds)
+                link_s[scheme].append(sum(c.modelled_s or 0.0 for c in comms if c.tag == "grad"))
+    world = dist.get_world_size()
+    units = wrapped["none"].reduction_units()
+    per_scheme = {}
+    for scheme, compressor in compressors.items():
+        last = compressor.history[-1]
+        theory = step_bytes(scheme, units, world, powersgd_rank=RANK, topk_ratio=TOPK_RATIO)
+        per_scheme[scheme] = {"sent": last.sent, "uncompressed": last.uncompressed, "ratio": last.ratio,
+                              "compressed": last.compressed, "theory_payload": theory["payload"],
+                              "theory_bus": theory["bus"], "measured_bus": last.bus, "units": len(units)}
+    return {"times": times, "link_s": link_s, "bytes": per_scheme}
+
+
+def compression_over_slow_link_row(quick: bool) -> dict[str, Any]:
+    from harness import device_and_world  # beside this file (benchmarks/)
+
+    from workbench import launch
+
+    steps, warmup = (6, 2) if quick else (15, 3)
+    device, world = device_and_world(WORLD_SIZE)
+    results = launch(_slow_link_rank, world, steps, warmup, device=device, nodes=SLOW_NODES, intra_link="nvlink",
+                     inter_link=SLOW_LINK, timeout=300)
+    per_step = {s: _slowest_rank_steps(results, s) for s in SCHEMES}
+    median = {s: statistics.median(v) for s, v in per_step.items()}
+    base = median["none"]
+    best = min(SCHEMES[1:], key=median.__getitem__)
+    first = results[0]
+    schemes = {}
+    for s in SCHEMES:
+        link = statistics.median(max(r["link_s"][s][i] for r in results) for i in range(steps))
+        b = first["bytes"][s]
+        schemes[s] = {"step_s": round(median[s], 4), "spread_s": [round(min(per_step[s]), 4),
+                                                                  round(max(per_step[s]), 4)],
+                      "link_s_modelled": round(link, 4), "link_share": round(link / median[s], 3),
+                      "ratio_vs_none": round(median[s] / base, 3),
+                      "bytes_sent": b["sent"], "bytes_theory": b["theory_payload"],
+                      "bytes_uncompressed": b["uncompressed"], "compression_ratio": round(b["ratio"], 1),
+                      "bus_bytes": b["measured_bus"], "bus_bytes_theory": b["theory_bus"],
+                      "compressed": b["compressed"]}
+    return {
+        "benchmark": "compression_over_slow_link",
+        "ours": median[best],
+        "reference": base,
+        "ratio": median[best] / base,
+        "unit": f"s/step emulated (best compressor, {best}, vs uncompressed; link time modelled, compute real)",
+        "config": {
+            "lower_is_better": True, "emulated_time": True,
+            "link": f"{SLOW_NODES} emulated nodes x 1 rank, inter-node {SLOW_LINK} (GB/s, µs), time scale 1",
+            "inter_link": SLOW_LINK, "nodes": SLOW_NODES,
+            "model": "GPT bench (6 layers, d=384, 10.8 M params)", "ddp": "BucketedDDP, one bucket (bucket_mb=None)",
+            "world_size": world, "backend": "gloo", "per_rank_batch": LOCAL_BATCH, "seq_len": SEQ_LEN,
+            "powersgd_rank": RANK, "topk_ratio": TOPK_RATIO, "compressor_warmup_steps": 0,
+            "optimizer": "AdamW", "threads_per_rank": 1, "steps_measured": steps, "warmup": warmup,
+            "statistic": "median of slowest rank per step; steps interleaved, order rotated",
+            "best_scheme": best, "schemes": schemes,
+        },
+    }
+
+
+def rows(quick: bool) -> list[dict[str, Any]]:
+    return [powersgd_vs_torch_hook_row(quick), compression_over_slow_link_row(quick)]
 
 
 if __name__ == "__main__":

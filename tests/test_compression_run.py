@@ -92,3 +92,4 @@ def test_the_cli_flags_reach_the_run(tmp_path: Path) -> None:
     summary = (out / "summary.json").read_text()
     assert '"grad_compression": "topk"' in summary and '"topk_ratio": 0.05' in summary
     assert "bucketed DDP (topk 0.05 gradients)" in summary
+    assert "gradient compression: topk" in (out / "report.html").read_text()

@@ -185,6 +185,7 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
     comm = comm_vs_theory(summary, traces)
     parts += comm_section(comm)
     parts += links_section(summary)
+    parts += gradient_sync_section(summary)
     parts += rank_time_section(summary)
     parts += memory_section(traces)
     memory = memory_vs_theory(summary, traces)
@@ -272,6 +273,24 @@ def links_section(summary: dict[str, Any]) -> list[str]:
              "measured (s)": row["measured_s"]} for name, row in sorted(links["rank0_by_link"].items())]
     return ["<h2>emulated links (rank 0's collectives and messages; times are emulated)</h2>",
             f"<p>{html.escape(links['describe'])}.</p>", _table(rows)]
+
+
+def gradient_sync_section(summary: dict[str, Any]) -> list[str]:
+    """Gradient compression (rank 0's bytes per step and the compression ratio, from each step's metrics) or local
+    SGD (which steps ended an outer step: the only ones that communicated parameters)."""
+    history = summary.get("history") or []
+    config = summary.get("config") or {}
+    rows = [{"step": m["step"], "gradient bytes sent": m["grad_bytes_sent"],
+             "compression ratio": m["compression_ratio"]} for m in history if "compression_ratio" in m]
+    if rows:
+        return [f"<h2>gradient compression: {html.escape(str(config.get('grad_compression')))} (rank 0, per step; "
+                f"the ratio is uncompressed fp32 all-reduce bytes / bytes sent)</h2>", _table(rows)]
+    outer = [m["step"] for m in history if m.get("outer_step")]
+    if config.get("local_steps") is not None:
+        return [f"<h2>local SGD: H={config['local_steps']}, outer {html.escape(str(config.get('outer_optimizer')))}"
+                f"</h2>", f"<p>parameters averaged (one all-reduce, tag <code>outer</code>) after steps "
+                f"{', '.join(map(str, outer)) or 'none'}; no gradient was communicated.</p>"]
+    return []
 
 
 def config_section(summary: dict[str, Any]) -> list[str]:
