@@ -51,6 +51,7 @@ FLOORS = {
 # What counts as a strategy under workbench/parallel/ (module prefix -> reason). A strategy may import helpers
 # and its own package's modules (zero/* is one strategy), never another strategy.
 STRATEGIES = {
+    "workbench.parallel.local_sgd": "local SGD and DiLoCo: replicas averaged every H steps (Douillard et al. 2023)",
     "workbench.parallel.context": "context parallelism: ring attention over the sequence (Liu et al. 2023)",
     "workbench.parallel.ddp": "data parallelism: replicas, bucketed gradient all-reduce",
     "workbench.parallel.tensor": "tensor parallelism (Megatron's column/row/vocab-parallel layers) and sequence "

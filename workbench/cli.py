@@ -72,6 +72,15 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--powersgd-rank", type=int, default=4, help="--grad-compression powersgd: rank r of P Q^T")
     p.add_argument("--topk-ratio", type=float, default=0.01,
                    help="--grad-compression topk: share of each gradient's entries sent, in (0, 1]")
+    p.add_argument("--local-steps", type=int, default=None, metavar="H",
+                   help="local SGD / DiLoCo: each rank steps its own replica, parameters averaged every H steps "
+                        "(no gradient sync); default: synchronous data parallelism")
+    p.add_argument("--outer-optimizer", choices=("avg", "sgd", "nesterov"), default="nesterov",
+                   help="--local-steps: the outer step on the averaged pseudo-gradient: avg (model averaging), sgd, "
+                        "or nesterov (DiLoCo, Douillard et al. 2023)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="--local-steps: the outer learning rate (DiLoCo 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="--local-steps with nesterov: the outer momentum (DiLoCo 0.9)")
     p.add_argument("--compression-warmup", type=int, default=0,
                    help="plain all-reduce for this many first steps before compressing (torch's start_powerSGD_iter)")
     p.add_argument("--bucket-mb", type=_bucket_mb, default=25.0, metavar="MIB|none",

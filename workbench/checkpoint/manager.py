@@ -109,6 +109,8 @@ class CheckpointManager:
             state["scaler"] = s.scaler.state_dict()
         if s.compressor is not None:  # this rank's error-feedback residuals, PowerSGD's Q, the step count
             state["compressor"] = s.compressor.state_dict()
+        if s.outer is not None:  # local SGD: the global parameters, the outer momentum, where in the H steps
+            state["outer"] = s.outer.state_dict()
         meta = {"run_config": checkpoint_config(self.run), "strategy": s.describe}
         t0 = time.perf_counter()
         with trace.span(f"checkpoint step {step}", "other"):
@@ -151,6 +153,8 @@ class CheckpointManager:
         self.strategy.optimizer.load_state_dict(state["optim"])
         if self.strategy.compressor is not None and state.get("compressor"):  # same layout: this rank's residuals
             self.strategy.compressor.load_state_dict(state["compressor"])
+        if self.strategy.outer is not None and state.get("outer"):
+            self.strategy.outer.load_state_dict(state["outer"])
         return Resumed(step, skipped, *self._restore_progress(state))
 
     def _pick_step(self, after_restart: bool) -> tuple[int, str, list[str]]:
@@ -190,6 +194,8 @@ class CheckpointManager:
                                   f"workbench run / run_training, which writes it before the ranks start")
         full = torch.load(file, map_location="cpu", weights_only=True)
         load_full_training_state(self.strategy, full, self.shard_like_params)
+        if self.strategy.outer is not None:  # local SGD: a new outer round from the loaded (rank 0's) replica
+            self.strategy.outer.restart_from_model()
         return self._restore_progress(full)
 
 

@@ -43,6 +43,10 @@ class ParallelConfig:
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
     compression_warmup: int = 0
+    local_steps: int | None = None  # local SGD / DiLoCo (parallel.local_sgd): average parameters every H steps
+    outer_optimizer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     zero: int = 0
     #: ZeRO-3 only: parameters kept whole on every rank (FSDP's ignored parameters), their gradients all-reduced.
     #: Glob patterns matched against each parameter's name or, case-insensitively, its module's class name:
@@ -89,6 +93,8 @@ class Parallelized:
     scaler: DynamicLossScaler | None = None
     #: the gradient compressor (None: plain all-reduce): its residuals and PowerSGD's Q go into each checkpoint.
     compressor: Any = None
+    #: local SGD's outer loop (None: synchronous): run after every optimizer step; its state goes into checkpoints.
+    outer: Any = None
     #: ``unscale_grads(factor) -> grads``: multiply the gradients this rank holds after ``finish_grad_sync``
     #: (``p.grad`` of a replicated model, ZeRO-2/3's gradient shards) by ``factor`` and return them.
     unscale_grads: Callable[[float], list[torch.Tensor]] | None = None
@@ -113,7 +119,8 @@ class Parallelized:
                 return {"grad_norm": math.nan, "skipped": True, "loss_scale": scale}
         grad_norm = self.clip_grad_norm(max_norm).detach()
         self.optimizer.step()
-        return {"grad_norm": grad_norm, "skipped": False, "loss_scale": scale}
+        outer_step = self.outer.after_inner_step() if self.outer is not None else False
+        return {"grad_norm": grad_norm, "skipped": False, "loss_scale": scale, "outer_step": outer_step}
 
     def _unscale(self, factor: float) -> list[torch.Tensor]:
         if self.unscale_grads is not None:
@@ -227,7 +234,8 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     check_composition(Combination(tp=mesh.tp_size, pp=mesh.pp_size, sp=cfg.sp, zero=cfg.zero,
                                   grad_accum=cfg.grad_accum, zero3_replicate=tuple(cfg.zero3_replicate),
                                   reduce_dtype=cfg.reduce_dtype, offload=cfg.offload, cp=mesh.size("cp"),
-                                  recompute=cfg.recompute, grad_compression=cfg.grad_compression))
+                                  recompute=cfg.recompute, grad_compression=cfg.grad_compression,
+                                  local_steps=cfg.local_steps))
     amp = _precision(mesh, cfg)
     if mesh.size("cp") > 1:
         strategy = _with_context_parallel(model, mesh, cfg, amp)
@@ -392,6 +400,8 @@ def _stage_optimizer(pipe: Any, mesh: Any, cfg: ParallelConfig) -> tuple[Any, Ca
 
 
 def _data_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:
+    if cfg.local_steps is not None:
+        return _local_sgd(model, mesh, cfg)
     if mesh.dp_size == 1 and cfg.zero == 0:
         return _single(model, cfg)
     if cfg.zero in (0, 1):
@@ -511,6 +521,19 @@ def _compressor(cfg: ParallelConfig) -> Any:
 def _compression_name(cfg: ParallelConfig) -> str:
     detail = {"powersgd": f" rank {cfg.powersgd_rank}", "topk": f" {cfg.topk_ratio:g}"}.get(cfg.grad_compression, "")
     return f"{cfg.grad_compression}{detail}"
+
+
+def _local_sgd(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    """Local SGD / DiLoCo (``parallel.local_sgd``): every rank steps its own replica with its own gradients (AdamW,
+    the inner optimizer); every ``local_steps`` steps the replicas' parameters are averaged and an outer step taken.
+    No gradient is communicated, so there is nothing to wait for after backward."""
+    from workbench.parallel.local_sgd import LocalSGD
+
+    outer = LocalSGD(model, mesh.dp_group, cfg.local_steps, cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
+    single = _single(model, cfg)
+    what = (f"local SGD (H={cfg.local_steps}, outer {cfg.outer_optimizer}"
+            + (f" lr {cfg.outer_lr:g}" if cfg.outer_optimizer != "avg" else "") + f") over dp={mesh.dp_size}")
+    return replace(single, describe=what, outer=outer)
 
 
 def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig, param_groups: list[dict[str, Any]] | None = None,

@@ -50,6 +50,7 @@ class Combination:
     cp: int = 1
     recompute: str = "none"
     grad_compression: str = "none"
+    local_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,13 @@ RULES: tuple[Rule, ...] = (
                    f"or 1, with or without tp and cp); got zero={c.zero}, pp={c.pp}: ZeRO-2/3 reduce-scatter gradient "
                    f"shards, which a low-rank or sparse message does not split into, and the pipeline's stage "
                    f"gradients are averaged once after its schedule, outside the wrappers"),
+    Rule("local sgd replaces the gradient sync", lambda c: c.local_steps is not None and (
+        c.zero > 0 or c.tp > 1 or c.pp > 1 or c.cp > 1 or c.grad_compression != "none" or c.grad_accum != 1),
+         lambda c: f"local_steps={c.local_steps} (local SGD / DiLoCo) trains whole replicas that average their "
+                   f"parameters every {c.local_steps} steps instead of their gradients every step: it composes with "
+                   f"data parallelism alone (zero 0, no tp, pp or cp, no grad_compression, grad_accum 1); got "
+                   f"zero={c.zero}, tp={c.tp}, pp={c.pp}, cp={c.cp}, grad_compression={c.grad_compression!r}, "
+                   f"grad_accum={c.grad_accum}"),
     Rule("offload needs zero", lambda c: c.offload and c.zero == 0,
          lambda c: "offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated"),
 )

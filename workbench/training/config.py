@@ -69,6 +69,10 @@ class RunConfig:
     powersgd_rank: int = 4  # grad_compression=powersgd: the rank r of each matrix's P Q^T
     topk_ratio: float = 0.01  # grad_compression=topk: the share of each gradient's entries sent
     compression_warmup: int = 0  # plain all-reduce for this many first steps (torch's start_powerSGD_iter)
+    local_steps: int | None = None  # local SGD / DiLoCo: average parameters every H steps (None: DDP every step)
+    outer_optimizer: str = "nesterov"  # local_steps: avg (model averaging), sgd or nesterov (DiLoCo's outer step)
+    outer_lr: float = 0.7  # local_steps: the outer optimizer's learning rate (DiLoCo: 0.7)
+    outer_momentum: float = 0.9  # local_steps with nesterov: the outer momentum (DiLoCo: 0.9)
     zero: int = 0
     zero3_replicate: list[str] = field(default_factory=list)  # ZeRO-3: glob patterns of parameters kept whole
     offload: bool = False
@@ -152,6 +156,7 @@ class RunConfig:
                 or self.compression_warmup < 0:
             raise ValueError(f"compression_warmup must be an int >= 0 (steps of plain all-reduce first), got "
                              f"{self.compression_warmup!r}")
+        self._validate_local_sgd()
         mib = self.bucket_mb
         if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0):
             raise ValueError(f"bucket_mb must be > 0 MiB, or None for one bucket, got {self.bucket_mb}")
@@ -174,6 +179,16 @@ class RunConfig:
         self._validate_links()
         if self.export is not None:
             ensure_writable(Path(self.export).parent)
+
+    def _validate_local_sgd(self) -> None:
+        if self.local_steps is None:
+            return
+        from workbench.theory.local_sgd import check_local_steps, check_outer, check_outer_lr, check_outer_momentum
+
+        check_local_steps(self.local_steps)
+        check_outer(self.outer_optimizer)
+        check_outer_lr(self.outer_lr)
+        check_outer_momentum(self.outer_momentum)
 
     def _validate_context_parallel(self) -> None:
         check_cp(self.gpt_config().seq_len, self.cp, self.cp_layout)

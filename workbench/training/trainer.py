@@ -171,6 +171,8 @@ class Trainer:
                    "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"]}
         if tracer is not None:  # this rank's forward, backward and optimizer; the rest of the step it waited
             metrics["compute_s"] = tracer.take_compute_s()
+        if s.outer is not None:  # local SGD: whether this step ended an outer step (the only communication)
+            metrics["outer_step"] = stepped.get("outer_step", False)  # an fp16 skip is no inner step
         if s.compressor is not None and s.compressor.history:  # bytes this rank's gradients took, and the saving
             sent = s.compressor.history[-1]
             metrics.update(grad_bytes_sent=sent.sent, compression_ratio=sent.ratio)
