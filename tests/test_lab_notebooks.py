@@ -1,10 +1,11 @@
-"""Every lab notebook runs top to bottom with its solution filled in, and its untouched stub fails the
-checker with a hint (a LabCheckFailed, not a crash or a hang).
+"""Every lab notebook's untouched stub fails the checker with a hint (a LabCheckFailed, not a crash or a hang),
+and every lab runs top to bottom with its solution filled in.
 
-Both run cell by cell in one shared kernel (cwd labs/, as papermill runs them), each lab from the kernel's fresh
-namespace: kernel start and imports would otherwise be most of a stub's run. The labs under papermill itself, with
-their solution and small overrides, are in the extended lane (``python -m pytest -q -m extended``, as
-``.ci/run`` runs it), beside the notebooks' (``tests/test_notebook_overrides.py``).
+The stubs run cell by cell in one shared kernel (cwd labs/, as papermill runs them), each lab from the kernel's
+fresh namespace: kernel start and imports would otherwise be most of a stub's run. The solutions run in the
+extended lane (``python -m pytest -q -m extended``, as ``.ci/run`` runs it), twice: in that shared kernel and
+under papermill itself with small overrides, beside the notebooks' (``tests/test_notebook_overrides.py``); in
+the test command each lab's own tests/test_lab_<name>.py grades its solution with its checker.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _run_cells(kernel: object, lab: Path, use_solution: bool) -> dict | None:
     return None
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("lab", LABS, ids=lambda p: p.stem)
 def test_lab_passes_with_solution(lab: Path, kernel: object) -> None:
     failed = _run_cells(kernel, lab, use_solution=True)

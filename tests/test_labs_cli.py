@@ -58,6 +58,7 @@ def test_check_grades_the_stub_as_failed_with_the_hint(tmp_path: Path, capsys: p
     assert "Traceback" not in out.split("FAIL  cell")[0], "an exercise's verdict is the pointed message alone"
 
 
+@pytest.mark.extended  # lab 02 with its solution: the extended lane (tests/test_lab_ring_allreduce.py: its checker)
 def test_check_passes_the_reference_solution(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["labs", "check", str(_with_solution(tmp_path))]) == 0
     out = capsys.readouterr().out

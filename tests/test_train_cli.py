@@ -197,6 +197,7 @@ def test_cli_subprocess_end_to_end(tmp_path) -> None:
     assert "training on 2 rank(s)" in proc.stderr  # the progress bar
 
 
+@pytest.mark.extended  # torchrun's agent and rendezvous: ~20 s; the extended lane runs it
 def test_same_run_under_torchrun_matches_launch(tmp_path) -> None:
     """The cluster path (torchrun, env://) trains exactly what the notebook path trains (2 ranks: a + b is
     commutative in fp32, so the runs agree bit for bit)."""
