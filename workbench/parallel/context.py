@@ -239,11 +239,10 @@ def _count(span: tuple) -> None:
     _STATS.pairs_visible += span[5]
 
 
-def _ring_forward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> tuple[torch.Tensor, ...]:
-    """``_ring_forward`` with each block by the fused CPU kernel, merged as (out, lse) pairs."""
-    out = torch.zeros_like(q)
-    lse = q.new_full(q.shape[:-1], -math.inf)
-    kv = torch.stack([k, v])
+def _ring_forward_pass(k: torch.Tensor, v: torch.Tensor, ring: _Ring, fold: Any) -> None:
+    """The forward ring: at each step send the block in hand on, fold it into this rank's result
+    (``fold(kv, span, k_positions)``), then take the block that arrived meanwhile."""
+    kv = torch.stack([k, v])  # one message per hop: K and V together
     for step, span in enumerate(ring.spans):
         works: list[comm.Work] = []
         if step < ring.cp - 1:  # the next block is on its way before this one is computed
@@ -252,40 +251,27 @@ def _ring_forward_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring:
             _STATS.skipped += 1
         else:
             with trace.span(BLOCK_SPAN, "forward"):
-                _forward_block_fused(q, kv[0], kv[1], span, ring.positions[0], ring.positions[step], out, lse)
+                fold(kv, span, ring.positions[step])
             _count(span)
         _wait(works)
         if works:
             kv = kv_next
-    return out, lse
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> tuple[torch.Tensor, ...]:
-    if _fused(q):
-        return _ring_forward_fused(q, k, v, ring)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    qs = q.float() * scale
+    q_pos = ring.positions[0]
+    if _fused(q):  # each block by the fused CPU kernel, merged as (out, lse) pairs
+        out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], -math.inf)
+        _ring_forward_pass(k, v, ring, lambda kv, span, k_pos: _forward_block_fused(
+            q, kv[0], kv[1], span, q_pos, k_pos, out, lse))
+        return out, lse
+    qs = q.float() * (1.0 / math.sqrt(q.shape[-1]))
     m = qs.new_full(q.shape[:-1], -math.inf)
     row_sum = qs.new_zeros(q.shape[:-1])  # l in the online-softmax update
     acc = qs.new_zeros(q.shape)
-    kv = torch.stack([k, v])  # one message per hop: K and V together
-    q_pos = ring.positions[0]
-    for step, span in enumerate(ring.spans):
-        works: list[comm.Work] = []
-        if step < ring.cp - 1:  # the next block is on its way before this one is computed
-            kv_next, works = ring.shift(kv, CP_KV_TAG)
-        if span is None:
-            _STATS.skipped += 1
-        else:
-            with trace.span(BLOCK_SPAN, "forward"):
-                _forward_block(qs, kv[0].float(), kv[1].float(), span, q_pos, ring.positions[step], m, row_sum, acc)
-            _count(span)
-        _wait(works)
-        if works:
-            kv = kv_next
-    out = (acc / row_sum[..., None]).to(q.dtype)
-    lse = m + torch.log(row_sum)
-    return out, lse
+    _ring_forward_pass(k, v, ring, lambda kv, span, k_pos: _forward_block(
+        qs, kv[0].float(), kv[1].float(), span, q_pos, k_pos, m, row_sum, acc))
+    return (acc / row_sum[..., None]).to(q.dtype), m + torch.log(row_sum)
 
 
 def _ring_backward(q, k, v, out, lse, dout, dlse, ring: _Ring) -> tuple[torch.Tensor, ...]:
