@@ -72,6 +72,15 @@ def test_calc_prices_a_long_context(capsys: pytest.CaptureFixture[str]) -> None:
     assert [line.split()[0] for line in split.splitlines() if "GB sent per rank" in line] == ["dp", "cp"]
 
 
+def test_the_ring_carries_only_the_kv_heads_of_grouped_query_attention() -> None:
+    """llama-70B has 64 query heads and 8 K/V heads (GQA): the ring moves 8 heads' K and V, 1/8 of the naive count."""
+    from workbench.theory.parallelism import Layout, layout_comm
+
+    comm = layout_comm("llama-70B", Layout(cp=64), "bf16-mixed", micro_batch=1, seq_len=131072)["cp"]
+    ring = ring_kv_bytes(batch=1, heads=8, seq_len=131072, head_dim=128, cp=64, bytes_per_value=2)
+    assert comm["tensor_bytes"] == 80 * ring["total"]  # 80 layers, one micro-batch, nothing recomputed
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(nproc=3, cp=3, seq_len=32), "not divisible into 2*cp=6 chunks"),
     (dict(nproc=2, cp=2, seq_len=33, cp_layout="contiguous"), "not divisible into cp=2 chunks"),

@@ -55,11 +55,14 @@ def _gpt_preset(n_layer: int, d_model: int, n_head: int, vocab_size: int, seq_le
     }
 
 
-def _llama_preset(n_layer: int, d_model: int, n_head: int, n_params: int, note: str) -> dict:
-    # vocab 32000 and a 4096 context as in Llama 2; no dropout in these models.
+def _llama_preset(n_layer: int, d_model: int, n_head: int, n_params: int, note: str,
+                  n_kv_head: int | None = None) -> dict:
+    # vocab 32000 and a 4096 context as in Llama 2; no dropout in these models. n_kv_head: the heads K and V have
+    # (grouped-query attention, Ainslie et al. 2023); what context parallelism's ring carries.
     return {
-        "n_layer": n_layer, "d_model": d_model, "n_head": n_head, "vocab_size": 32000,
-        "seq_len": 4096, "dropout": False, "exact": False, "note": note, "n_params": n_params, "arch": "llama",
+        "n_layer": n_layer, "d_model": d_model, "n_head": n_head, "n_kv_head": n_kv_head or n_head,
+        "vocab_size": 32000, "seq_len": 4096, "dropout": False, "exact": False, "note": note, "n_params": n_params,
+        "arch": "llama",
     }
 
 
@@ -74,7 +77,7 @@ MODEL_PRESETS: dict[str, dict] = {
     # Published totals: 6,738,415,616 / 13,015,864,320 / 68,976,648,192 (Llama 2 7B, 13B, 70B).
     "llama-7B": _llama_preset(32, 4096, 32, 6_738_415_616, "Llama-2-7B-like, SwiGLU MLP 11008"),
     "llama-13B": _llama_preset(40, 5120, 40, 13_015_864_320, "Llama-2-13B-like, SwiGLU MLP 13824"),
-    "llama-70B": _llama_preset(80, 8192, 64, 68_976_648_192, "Llama-2-70B-like, GQA with 8 KV heads"),
+    "llama-70B": _llama_preset(80, 8192, 64, 68_976_648_192, "Llama-2-70B-like, GQA with 8 KV heads", n_kv_head=8),
 }
 
 

@@ -35,8 +35,9 @@ Assumptions (each one a place where a real run differs):
   et al. 2021 §4.1 is not modelled; under SP the activation is already split by tp), plus the tied
   embedding's gradient exchanged between first and last stage once per step;
   cp: ring attention's K/V blocks (and, in backward, the blocks again with their fp32 dK/dV accumulators) per
-  layer per micro-batch (``theory.context.ring_kv_bytes``; K/V of every head: grouped-query attention's fewer K/V
-  heads are not modelled), as point-to-point messages, the forward ones again under full recompute.
+  layer per micro-batch (``theory.context.ring_kv_bytes``, for the model's K/V heads: ``n_kv_head`` under
+  grouped-query attention, else every head), as point-to-point messages, the forward ones again under full
+  recompute.
 - **Context parallelism** splits each sequence over cp ranks (Liu et al. 2023, ring attention): a rank's
   activations are those of s/cp tokens (Korthikanti's formula at s/cp, whose score term is then the one
   (s/cp)² block a rank holds at a time); cp ranks hold the same parameters, so ZeRO shards over dp × cp.
@@ -326,8 +327,8 @@ def _cp_ops(shape: dict, layers: int, b: int, s: int, layout: Layout, precision:
     recompute) and the backward's K/V hops and dK/dV hops (fp32 accumulators)."""
     if layout.cp == 1:
         return []
-    ring = ring_kv_bytes(b, shape["n_head"] // layout.tp, s, shape["d_model"] // shape["n_head"], layout.cp,
-                         _bytes_per_value(precision))
+    kv_heads = max(1, shape.get("n_kv_head", shape["n_head"]) // layout.tp)  # GQA: fewer K/V heads travel
+    ring = ring_kv_bytes(b, kv_heads, s, shape["d_model"] // shape["n_head"], layout.cp, _bytes_per_value(precision))
     times = layers * layout.microbatches
     forward = ring["forward_messages"] * (2 if recompute == "full" else 1)
     return [(op, float(size), n * times) for op, size, n in (
