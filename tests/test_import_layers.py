@@ -63,7 +63,7 @@ STRATEGIES = {
 HELPERS = {
     "workbench.parallel.compression": "gradient compressors (bf16, PowerSGD, top-k, sign) any data-parallel strategy "
                                       "may reduce through",
-    "workbench.parallel.collectives": "algorithms over comm (ring, tree) that any strategy may call",
+    "workbench.parallel.collectives": "algorithms over comm (ring, tree, a module's broadcast) any strategy may call",
     "workbench.parallel.grad_norm": "clipping a split model: shared by every strategy that shards parameters",
     "workbench.parallel.buckets": "size-capped gradient buckets (Li et al. 2020): shared by DDP, ZeRO and lab 03",
     "workbench.parallel.precision": "mixed precision and loss scaling, applied around every strategy",

@@ -62,6 +62,19 @@ _COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
 # Public API
 
 
+def broadcast_module_state(module: torch.nn.Module, group: Any = None) -> None:
+    """Overwrite every parameter and buffer (frozen ones too) with group rank 0's copy: how every data-parallel
+    strategy (DDP, ZeRO-2, local SGD) makes its replicas start alike.
+
+    Seeded construction usually gives identical replicas already; the broadcast makes it a guarantee
+    (different seeds, a rank that loaded another checkpoint, a buffer filled from local data...).
+    """
+    src = comm.global_rank(group, 0)  # comm.broadcast takes a global rank, as torch.distributed does
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(tensor.detach(), src=src, group=group, tag="init")
+
+
 def ring_all_reduce(tensor: torch.Tensor, group: Any = None, op: str = "sum",
                     segment_bytes: int = DEFAULT_SEGMENT_BYTES, tag: str = "ring") -> torch.Tensor:
     """In-place ring all-reduce (reduce-scatter then all-gather, Patarasuk & Yuan 2009); returns ``tensor``.

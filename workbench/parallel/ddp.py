@@ -72,22 +72,11 @@ from workbench import trace
 from workbench.dist import comm
 from workbench.dist.launch import rank_device
 from workbench.parallel.buckets import bucket_params
+from workbench.parallel.collectives import broadcast_module_state  # noqa: F401  (also public here)
 from workbench.parallel.compression import Compressor, Pending, resolve_compressor
 
 DDP_KINDS = ("naive", "flat", "overlap", "bucketed")
 _MB = 2**20
-
-
-def broadcast_module_state(module: nn.Module, group: Any = None) -> None:
-    """Overwrite every parameter and buffer (frozen ones too) with group rank 0's copy.
-
-    Seeded construction usually gives identical replicas already; the broadcast makes it a guarantee
-    (different seeds, a rank that loaded another checkpoint, a buffer filled from local data...).
-    """
-    src = comm.global_rank(group, 0)  # comm.broadcast takes a global rank, as torch.distributed does
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.detach(), src=src, group=group, tag="init")
 
 
 class _DataParallel(nn.Module):

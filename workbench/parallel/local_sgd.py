@@ -50,9 +50,8 @@ Equivalences (tests/test_local_sgd.py checks each):
 4. The Nesterov outer step is the formula above (a hand computation in fp64, to rounding).
 5. ``state_dict`` round trip: a run saved in mid-round and resumed is bit-identical to an uninterrupted one.
 
-Why not DDP's ``broadcast_module_state``: this module is a data-parallel *strategy* beside ``ddp``, and no strategy
-imports a sibling (tests/test_import_layers.py, rule b), so the five-line broadcast is repeated here (same source
-rank, same order, same tag).
+Replicas start alike through ``parallel.collectives.broadcast_module_state``, the helper DDP and ZeRO-2 use (a
+strategy imports no sibling strategy: tests/test_import_layers.py, rule b).
 """
 
 from __future__ import annotations
@@ -65,6 +64,7 @@ import torch
 from torch import nn
 
 from workbench.dist import comm
+from workbench.parallel.collectives import broadcast_module_state
 from workbench.theory import local_sgd as theory
 from workbench.theory.local_sgd import OUTERS
 
@@ -112,7 +112,7 @@ class LocalSGD:
         self.device = self._params[0].device
         self.numel = sum(p.numel() for p in self._params)
 
-        _broadcast_module_state(model, group)
+        broadcast_module_state(model, group)
         # θ_g, fp32 on the model's device, one flat buffer; the pseudo-gradient buffer and the momentum beside it.
         self._global = torch.empty(self.numel, dtype=torch.float32, device=self.device)
         self._delta = torch.empty_like(self._global)
@@ -243,15 +243,6 @@ class LocalSGD:
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         sizes = [p.numel() for p in self._params]
         return [piece.view(p.shape) for piece, p in zip(flat.split(sizes), self._params, strict=True)]
-
-
-def _broadcast_module_state(module: nn.Module, group: Any = None) -> None:
-    """``parallel.ddp.broadcast_module_state``, repeated (a strategy imports no sibling strategy): every parameter
-    and buffer, frozen ones too, overwritten with group rank 0's copy."""
-    src = comm.global_rank(group, 0)  # comm.broadcast takes a global rank, as torch.distributed does
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.detach(), src=src, group=group, tag="init")
 
 
 __all__ = ["HISTORY_STEPS", "OUTERS", "TAG", "LocalSGD", "OuterStep"]

@@ -538,7 +538,7 @@ def _local_sgd(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized
 
 def _zero2(model: nn.Module, mesh: Any, cfg: ParallelConfig, param_groups: list[dict[str, Any]] | None = None,
            model_parallel_groups: tuple[Any, ...] = ()) -> Parallelized:
-    from workbench.parallel.ddp import broadcast_module_state
+    from workbench.parallel.collectives import broadcast_module_state
     from workbench.parallel.zero import ZeroOptimizer
 
     params = param_groups or [p for p in model.parameters() if p.requires_grad]
