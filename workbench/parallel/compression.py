@@ -413,7 +413,10 @@ class TopKCompressor(_ErrorFeedback):
         return Pending([work], finish)
 
 
-_BIT_SHIFTS = (7, 6, 5, 4, 3, 2, 1, 0)
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    """7, 6, ..., 0 as uint8, made on the device by a kernel (``torch.tensor`` of a list would copy from the host,
+    a host-device sync per call on a GPU: two per step, caught by the GPU lane's sync count)."""
+    return torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
 
 
 def _pack_bits(bits: torch.Tensor, numels: list[int]) -> torch.Tensor:
@@ -423,13 +426,13 @@ def _pack_bits(bits: torch.Tensor, numels: list[int]) -> torch.Tensor:
         pads = [(-n) % 8 for n in numels]
         bits = torch.cat([torch.nn.functional.pad(b, (0, pad)) for b, pad in zip(bits.split(numels), pads,
                                                                                    strict=True)])
-    shifts = torch.tensor(_BIT_SHIFTS, dtype=torch.uint8, device=bits.device)
+    shifts = _bit_shifts(bits.device)
     return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, numels: list[int]) -> torch.Tensor:
     """``_pack_bits``'s inverse: uint8 -> booleans of the unpadded tensors, end to end."""
-    shifts = torch.tensor(_BIT_SHIFTS, dtype=torch.uint8, device=packed.device)
+    shifts = _bit_shifts(packed.device)
     bits = ((packed.unsqueeze(-1) >> shifts) & 1).view(-1).bool()
     if not any(n % 8 for n in numels):
         return bits
