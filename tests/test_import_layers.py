@@ -54,6 +54,8 @@ STRATEGIES = {
     "workbench.parallel.local_sgd": "local SGD and DiLoCo: replicas averaged every H steps (Douillard et al. 2023)",
     "workbench.parallel.context": "context parallelism: ring attention over the sequence (Liu et al. 2023)",
     "workbench.parallel.ddp": "data parallelism: replicas, bucketed gradient all-reduce",
+    "workbench.parallel.expert": "expert parallelism: a MoE model's experts split over ranks, tokens by all-to-all "
+                                 "(GShard, Lepikhin et al. 2020)",
     "workbench.parallel.tensor": "tensor parallelism (Megatron's column/row/vocab-parallel layers) and sequence "
                                  "parallelism (the same plan with sharded norms and reduce-scatter): one plan, "
                                  "two styles",

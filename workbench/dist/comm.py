@@ -343,21 +343,66 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", group: Any = Non
                    after, emulated)
 
 
+def _split_sizes(op: str, name: str, sizes: list[int] | None, rows: int, world: int) -> list[int] | None:
+    """Check a variable all-to-all's split sizes (rows of dim 0 per group rank): one per rank, summing to ``rows``."""
+    if sizes is None:
+        return None
+    sizes = [int(n) for n in sizes]
+    if len(sizes) != world or min(sizes, default=0) < 0 or sum(sizes) != rows:
+        raise ValueError(f"{op}: {name} must be {world} non-negative row counts (one per group rank) summing to "
+                         f"dim 0 ({rows}), got {sizes}")
+    return sizes
+
+
+def _sent_bytes(input: torch.Tensor, input_splits: list[int] | None, world: int, me: int) -> float:
+    """Bytes this rank sends to the others: every chunk but its own (equal chunks: (N-1)/N of the buffer)."""
+    if world <= 1:
+        return 0.0
+    if input_splits is None:
+        return bus_bytes("all_to_all", _nbytes(input), world)
+    row = _nbytes(input) // input.shape[0] if input.shape[0] else 0
+    return float(row * (sum(input_splits) - input_splits[me]))
+
+
+def _record_all_to_all(input: torch.Tensor, sent: float, group: Any, t0: float, async_op: bool, tag: str,
+                       emulated: _Emulated | None) -> None:
+    """``_record`` with the bytes really sent as ``bus_bytes``: with variable splits they are not (N-1)/N of S."""
+    tracer = trace.current()
+    if tracer is None:
+        return
+    tracer.record_comm(CommEvent(
+        op="all_to_all", nbytes=_nbytes(input), bus_bytes=sent, dtype=str(input.dtype).replace("torch.", ""),
+        shape=tuple(input.shape), group=group_ranks(group), t0=t0, t1=time.time(), rank=tracer.trace.rank,
+        async_op=async_op, tag=tag, link=emulated.link if emulated else "",
+        modelled_s=emulated.modelled if emulated else None))
+
+
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False,
-               tag: str = "") -> Work | None:
-    """Chunk i of ``input`` goes to group rank i; chunk j of ``output`` comes from group rank j."""
+               tag: str = "", *, output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None) -> Work | None:
+    """Chunk i of ``input`` goes to group rank i; chunk j of ``output`` comes from group rank j.
+
+    Chunks are equal (dim 0 / N) unless split sizes are given, as in ``dist.all_to_all_single``: ``input_split_sizes``
+    [i] rows of dim 0 go to rank i, ``output_split_sizes[j]`` rows arrive from rank j (what rank j sends here; the
+    counts are exchanged beforehand, e.g. by an equal-split all-to-all). The log's ``bus_bytes`` are the bytes this
+    rank sends to the others, and the emulated link is charged for them (an S-byte buffer whose (N-1)/N leave)."""
+    world = group_size(group)
+    input_splits = _split_sizes("all_to_all", "input_split_sizes", input_split_sizes, input.shape[0], world)
+    output_splits = _split_sizes("all_to_all", "output_split_sizes", output_split_sizes, output.shape[0], world)
     check_device("all_to_all", group, output, input)
     t0 = time.time()
+    sent = _sent_bytes(input, input_splits, world, group_rank(group))
     emulated = None
-    if group_size(group) == 1:
+    if world == 1:
         output.copy_(input)
         work = None
     else:
-        emulated = _charge_collective("all_to_all", _nbytes(input), group, t0)
-        work = dist.all_to_all_single(output, input, group=group, async_op=True)
+        # The α-β model prices an S-byte all-to-all whose (N-1)/N leave: the S that sends exactly ``sent``.
+        emulated = _charge_collective("all_to_all", round(sent * world / (world - 1)), group, t0)
+        work = dist.all_to_all_single(output, input, output_split_sizes=output_splits,
+                                      input_split_sizes=input_splits, group=group, async_op=True)
     return _finish("all_to_all", work, async_op,
-                   lambda: _record("all_to_all", input, _nbytes(input), group, t0, async_op, tag, emulated=emulated),
-                   None, emulated)
+                   lambda: _record_all_to_all(input, sent, group, t0, async_op, tag, emulated), None, emulated)
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> None:
@@ -378,6 +423,23 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> W
 def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> Work:
     """Receive from global rank ``src`` into ``tensor``; its data is there once ``wait()`` returns."""
     return _recv(tensor, src, group, tag, async_op=True)
+
+
+def recv_any(tensor: torch.Tensor, group: Any = None, tag: str = "") -> int:
+    """Blocking receive from whichever rank's message arrives first; returns the sender's global rank. What an
+    asynchronous server needs (a gloo irecv never reports completion until waited, so it cannot be polled). Gloo
+    only (NCCL has no any-source receive), and not on an emulated cluster, which prices each message by its two
+    ends and so must know the sender before the message arrives."""
+    check_device("recv", group, tensor)
+    if emulation.current() is not None:
+        raise RuntimeError("recv_any: an emulated cluster prices each message by its sender and receiver, and an "
+                           "any-source receive learns its sender only on arrival; run without --nodes")
+    if dist.get_backend(group) != "gloo":
+        raise RuntimeError(f"recv_any needs gloo (an any-source receive); this group runs {dist.get_backend(group)}")
+    t0 = time.time()
+    src = dist.recv(tensor, src=None, group=group)
+    _record("recv", tensor, _nbytes(tensor), group, t0, False, tag, src, None)
+    return src
 
 
 def _send(tensor: torch.Tensor, dst: int, group: Any, tag: str, async_op: bool) -> Work:

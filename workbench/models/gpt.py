@@ -9,6 +9,10 @@ q/k/v/fc Linears for column-sharded ones and proj for row-sharded ones; attentio
 number of heads from the width q actually produces, not from the config. Context parallelism is applied from
 outside too: it sets ``CausalSelfAttention.attend`` (a callable ``(q, k, v) -> y`` used instead of causal
 ``scaled_dot_product_attention``) to ring attention, and passes each rank's token ``positions`` to ``forward``.
+
+With ``moe_experts`` E > 0 every block's MLP is a mixture of E experts of the MLP's shape (``models/moe.py``), and
+the loss adds ``moe_aux_loss_coef`` times the layers' load-balancing losses. E = 0 (the default) is the dense GPT,
+built and initialised exactly as before.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workbench.models.moe import MoEConfig, MoEMLP
 
 # Named sizes. "tiny" keeps unit tests fast; "bench" is about 10.8M parameters, big enough that
 # communication and memory effects are visible, small enough for a laptop CPU.
@@ -38,11 +44,17 @@ class GPTConfig:
     d_model: int = 64
     mlp_ratio: int = 4
     tie_embeddings: bool = True
+    # Mixture of experts (models/moe.py): 0 experts is the dense GPT; capacity None drops no token.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = None
+    moe_aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "tie_embeddings" and (not isinstance(value, int) or value <= 0):
+            if f.name != "tie_embeddings" and not f.name.startswith("moe_") and (not isinstance(value, int)
+                                                                                 or value <= 0):
                 raise ValueError(f"GPTConfig.{f.name} must be a positive int, got {value!r}")
         if self.d_model % self.n_head != 0:
             valid = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0]
@@ -50,6 +62,16 @@ class GPTConfig:
                 f"GPTConfig: d_model={self.d_model} is not divisible by n_head={self.n_head}; "
                 f"each head needs d_model / n_head channels. n_head values that divide d_model: {valid}"
             )
+        if isinstance(self.moe_experts, bool) or not isinstance(self.moe_experts, int) or self.moe_experts < 0:
+            raise ValueError(f"GPTConfig.moe_experts must be an int >= 0 (0: a dense MLP), got {self.moe_experts!r}")
+        _ = self.moe  # the MoE fields' own checks (top-k <= experts, capacity > 0) when MoE is on
+
+    @property
+    def moe(self) -> MoEConfig | None:
+        """The MoE layers' config, or None for the dense GPT."""
+        if not self.moe_experts:
+            return None
+        return MoEConfig(self.moe_experts, self.moe_top_k, self.moe_capacity_factor, self.moe_aux_loss_coef)
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +90,8 @@ class GPTConfig:
         layer_norm = 2 * d  # weight + bias
         attn = 4 * (d * d + d)  # q, k, v, proj, each with bias
         mlp = (d * hidden + hidden) + (hidden * d + d)
+        if self.moe_experts:
+            mlp = self.moe_experts * mlp + d * self.moe_experts  # E experts and the router's gate (no bias)
         block = 2 * layer_norm + attn + mlp
         embeddings = self.vocab_size * d + self.seq_len * d
         head = 0 if self.tie_embeddings else self.vocab_size * d  # tied head adds nothing
@@ -125,7 +149,7 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if cfg.moe is None else MoEMLP(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -152,7 +176,8 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("attn.proj", "mlp.proj")) else 0.02
+                residual = name.endswith(("attn.proj", "mlp.proj")) or (".experts." in name and name.endswith(".proj"))
+                std = residual_std if residual else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -172,7 +197,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # [B, T, V]
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if self.cfg.moe is not None:  # Switch's load-balancing loss, summed over the MoE layers
+            loss = loss + self.cfg.moe_aux_loss_coef * sum(b.mlp.aux_loss for b in self.blocks)
+        return loss
 
 
 def build_gpt(cfg: GPTConfig, seed: int = 0, device: str | torch.device = "cpu") -> GPT:
