@@ -26,12 +26,14 @@ REFUSED = [
     (Combination(grad_compression="sign", pp=2), "the pipeline's stage gradients"),
     (Combination(local_steps=4, zero=1), "local_steps=4 (local SGD / DiLoCo)"),
     (Combination(local_steps=4, tp=2), "local_steps=4 (local SGD / DiLoCo)"),
+    (Combination(ps_servers=1, zero=1), "ps_servers=1 (a parameter server)"),
+    (Combination(ps_servers=1, tp=2), "ps_servers=1 (a parameter server)"),
 ]
 COMPOSES = [Combination(), Combination(tp=2, sp=True), Combination(pp=2, zero=1, tp=2, sp=True),
             Combination(zero=3, reduce_dtype="bf16", zero3_replicate=("*norm",), offload=True)]
 COMPOSES += [Combination(tp=2, zero=z) for z in range(4)] + [Combination(cp=2, zero=z) for z in range(4)]
 COMPOSES += [Combination(cp=4, grad_accum=2, recompute="full"), Combination(grad_compression="topk", zero=1, tp=2),
-             Combination(grad_compression="powersgd", cp=2), Combination(local_steps=8)]
+             Combination(grad_compression="powersgd", cp=2), Combination(local_steps=8), Combination(ps_servers=2)]
 
 
 @pytest.mark.parametrize("combination, reason", REFUSED)
@@ -53,9 +55,9 @@ def test_every_rule_is_exercised() -> None:
 
 
 def _run_config(c: Combination) -> dict:
-    nproc = c.tp * c.pp * c.cp * (2 if c.zero else 1)
+    nproc = c.tp * c.pp * c.cp * (2 if c.zero else 1) + (c.ps_servers or 0)
     return dict(nproc=nproc, tp=c.tp, pp=c.pp, sp=c.sp, cp=c.cp, recompute=c.recompute, zero=c.zero,
-                grad_compression=c.grad_compression, local_steps=c.local_steps,
+                grad_compression=c.grad_compression, local_steps=c.local_steps, ps_servers=c.ps_servers,
                 grad_accum=c.grad_accum,
                 zero3_replicate=list(c.zero3_replicate), reduce_dtype=c.reduce_dtype, offload=c.offload,
                 precision="fp32" if c.reduce_dtype == "fp32" else c.reduce_dtype, batch_size=16)
@@ -70,7 +72,7 @@ def test_run_config_refuses_what_the_table_refuses(combination: Combination, rea
 
 CALC_EXPRESSIBLE = [(c, r) for c, r in REFUSED if c.grad_accum == 1 and not c.zero3_replicate
                     and c.reduce_dtype == "fp32" and c.recompute == "none" and c.grad_compression == "none"
-                    and c.local_steps is None]
+                    and c.local_steps is None and c.ps_servers is None]
 
 
 @pytest.mark.parametrize("combination, reason", CALC_EXPRESSIBLE)

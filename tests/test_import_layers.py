@@ -53,6 +53,8 @@ FLOORS = {
 STRATEGIES = {
     "workbench.parallel.local_sgd": "local SGD and DiLoCo: replicas averaged every H steps (Douillard et al. 2023)",
     "workbench.parallel.context": "context parallelism: ring attention over the sequence (Liu et al. 2023)",
+    "workbench.parallel.param_server": "a parameter server: server ranks hold the shards and step them, workers "
+                                       "pull and push, sync or async (Li et al. 2014)",
     "workbench.parallel.ddp": "data parallelism: replicas, bucketed gradient all-reduce",
     "workbench.parallel.expert": "expert parallelism: a MoE model's experts split over ranks, tokens by all-to-all "
                                  "(GShard, Lepikhin et al. 2020)",

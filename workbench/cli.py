@@ -81,6 +81,15 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--outer-lr", type=float, default=0.7, help="--local-steps: the outer learning rate (DiLoCo 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9,
                    help="--local-steps with nesterov: the outer momentum (DiLoCo 0.9)")
+    p.add_argument("--ps-servers", type=int, default=None, metavar="S",
+                   help="a parameter server: the last S ranks hold the parameters (sharded by tensor) and step them; "
+                        "the other ranks are workers that pull parameters and push gradients")
+    p.add_argument("--ps-async", action="store_true",
+                   help="--ps-servers: apply each worker's gradient on arrival (asynchronous SGD), not averaged once "
+                        "a step; every update's staleness is recorded")
+    p.add_argument("--max-staleness", type=int, default=None, metavar="K",
+                   help="--ps-async: a worker may start a step at most K steps ahead of the slowest (stale "
+                        "synchronous parallel; 0: lock-step); default: no bound")
     p.add_argument("--compression-warmup", type=int, default=0,
                    help="plain all-reduce for this many first steps before compressing (torch's start_powerSGD_iter)")
     p.add_argument("--bucket-mb", type=_bucket_mb, default=25.0, metavar="MIB|none",

@@ -76,6 +76,10 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
     finally:
         bar.close()
     summary = summarize(cfg, results[0], results.traces)
+    if cfg.ps_servers is not None:
+        from workbench.training.param_server_run import ps_summary
+
+        summary["parameter_server"] = ps_summary(cfg, list(results))
     if links is not None:
         summary["links"] = links_summary(links, results.traces)
     if cfg.netns:

@@ -51,6 +51,7 @@ class Combination:
     recompute: str = "none"
     grad_compression: str = "none"
     local_steps: int | None = None
+    ps_servers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,14 @@ RULES: tuple[Rule, ...] = (
                    f"data parallelism alone (zero 0, no tp, pp or cp, no grad_compression, grad_accum 1); got "
                    f"zero={c.zero}, tp={c.tp}, pp={c.pp}, cp={c.cp}, grad_compression={c.grad_compression!r}, "
                    f"grad_accum={c.grad_accum}"),
+    Rule("a parameter server replaces the gradient sync", lambda c: c.ps_servers is not None and (
+        c.zero > 0 or c.tp > 1 or c.pp > 1 or c.cp > 1 or c.grad_compression != "none" or c.local_steps is not None
+        or c.grad_accum != 1 or c.offload),
+         lambda c: f"ps_servers={c.ps_servers} (a parameter server) gathers whole gradients at server ranks that "
+                   f"hold and step the parameters, in place of the all-reduce: it trains replicated workers alone "
+                   f"(zero 0, no tp, pp or cp, no grad_compression or local_steps, grad_accum 1); got zero={c.zero}, "
+                   f"tp={c.tp}, pp={c.pp}, cp={c.cp}, grad_compression={c.grad_compression!r}, "
+                   f"local_steps={c.local_steps}, grad_accum={c.grad_accum}"),
     Rule("offload needs zero", lambda c: c.offload and c.zero == 0,
          lambda c: "offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated"),
 )

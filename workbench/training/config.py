@@ -73,6 +73,9 @@ class RunConfig:
     outer_optimizer: str = "nesterov"  # local_steps: avg (model averaging), sgd or nesterov (DiLoCo's outer step)
     outer_lr: float = 0.7  # local_steps: the outer optimizer's learning rate (DiLoCo: 0.7)
     outer_momentum: float = 0.9  # local_steps with nesterov: the outer momentum (DiLoCo: 0.9)
+    ps_servers: int | None = None  # a parameter server: the last S ranks serve, the rest are workers (None: none)
+    ps_async: bool = False  # ps_servers: apply each worker's gradient on arrival instead of averaging each step
+    max_staleness: int | None = None  # ps_async: a worker may run at most K steps ahead of the slowest (None: free)
     zero: int = 0
     zero3_replicate: list[str] = field(default_factory=list)  # ZeRO-3: glob patterns of parameters kept whole
     offload: bool = False
@@ -106,14 +109,23 @@ class RunConfig:
     def __post_init__(self) -> None:
         sizes = (self.tp, self.pp, self.cp)
         model_parallel = math.prod(sizes) if all(isinstance(v, int) and v > 0 for v in sizes) else 1
-        if self.dp is None:
-            self.dp = max(1, self.nproc // model_parallel)
+        if self.dp is None:  # a parameter server's ranks hold no batch: dp is its workers
+            self.dp = max(1, (self.nproc - self._servers()) // model_parallel)
         if self.microbatches is None:
             self.microbatches = 2 * self.pp if isinstance(self.pp, int) and self.pp > 1 else 1
         self.validate()
 
+    def _servers(self) -> int:
+        """The parameter server's ranks, or 0 (before validation: a bad value counts 0 until it is refused)."""
+        s = self.ps_servers
+        return s if isinstance(s, int) and not isinstance(s, bool) and 0 < s < self.nproc else 0
+
     def validate(self) -> None:
         positive_int("nproc", self.nproc)
+        if self.ps_servers is not None:
+            from workbench.parallel.param_server import check_layout
+
+            check_layout(self.nproc, self.ps_servers)
         positive_int("dp", self.dp)
         positive_int("steps", self.steps)
         positive_int("batch_size", self.batch_size)
@@ -123,11 +135,12 @@ class RunConfig:
         positive_int("tp", self.tp)
         positive_int("pp", self.pp)
         positive_int("cp", self.cp)
-        if self.dp * self.tp * self.pp * self.cp != self.nproc:
+        if self.dp * self.tp * self.pp * self.cp != self.nproc - self._servers():
             cp = f" x cp={self.cp}" if self.cp > 1 else ""
+            ps = f" - {self._servers()} parameter servers" if self._servers() else ""
             raise ValueError(f"dp x tp x pp{' x cp' if cp else ''} = {self.dp} x {self.tp} x {self.pp}{cp} = "
-                             f"{self.dp * self.tp * self.pp * self.cp} but nproc={self.nproc}: the mesh must use every "
-                             f"rank; leave --dp out to get nproc / (tp x pp{' x cp' if cp else ''})")
+                             f"{self.dp * self.tp * self.pp * self.cp} but nproc={self.nproc}{ps}: the mesh must use "
+                             f"every rank; leave --dp out to get nproc / (tp x pp{' x cp' if cp else ''})")
         self._validate_context_parallel()
         if self.sp and self.tp > 1:
             from workbench.parallel.tensor.sequence import check_sequence_parallel_sizes
@@ -157,6 +170,7 @@ class RunConfig:
             raise ValueError(f"compression_warmup must be an int >= 0 (steps of plain all-reduce first), got "
                              f"{self.compression_warmup!r}")
         self._validate_local_sgd()
+        self._validate_parameter_server()
         mib = self.bucket_mb
         if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0):
             raise ValueError(f"bucket_mb must be > 0 MiB, or None for one bucket, got {self.bucket_mb}")
@@ -189,6 +203,33 @@ class RunConfig:
         check_outer(self.outer_optimizer)
         check_outer_lr(self.outer_lr)
         check_outer_momentum(self.outer_momentum)
+
+    def _validate_parameter_server(self) -> None:
+        """A parameter server's layout and what its run path does not carry yet, each refused with the reason."""
+        if self.ps_servers is None:
+            for name in ("ps_async", "max_staleness"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs a parameter server (--ps-servers S)")
+            return
+        from workbench.parallel.param_server import check_staleness
+
+        check_staleness(self.max_staleness)
+        if self.max_staleness is not None and not self.ps_async:
+            raise ValueError(f"max_staleness={self.max_staleness} bounds asynchronous workers: it needs --ps-async "
+                             f"(a synchronous server is never stale)")
+        unsupported = {"precision": (self.precision, "fp32"), "recompute": (self.recompute, "none"),
+                       "ckpt_dir": (self.ckpt_dir, None), "val_every": (self.val_every, None),
+                       "inject_fault": (self.inject_fault, None), "netns": (self.netns, False),
+                       "export": (self.export, None)}
+        for name, (value, plain) in unsupported.items():
+            if value != plain:
+                raise ValueError(f"{name}={value!r} with ps_servers={self.ps_servers}: the parameter server's run "
+                                 f"path trains fp32 replicas without checkpoints, validation, faults, shaped links "
+                                 f"or export so far; leave --{name.replace('_', '-')} out")
+        if self.ps_async and self.emulates_links:
+            raise ValueError("ps_async with emulated links (--nodes / --intra-link / --inter-link): an asynchronous "
+                             "server takes whichever push comes first, and an emulated link must know a message's "
+                             "sender before it arrives; use a synchronous server, or --straggler alone")
 
     def _validate_context_parallel(self) -> None:
         check_cp(self.gpt_config().seq_len, self.cp, self.cp_layout)

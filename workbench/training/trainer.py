@@ -16,7 +16,6 @@ position; a resume reloads them and continues at the next step (on another layou
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 import warnings
@@ -39,6 +38,7 @@ from workbench.models import build_gpt
 from workbench.parallel import parallelize
 from workbench.training.config import RunConfig
 from workbench.training.health import HealthMonitor, check_disjoint, check_split, split_windows
+from workbench.training.schedule import lr_at, params_sha256  # noqa: F401 (params_sha256: callers import it here)
 
 
 def prepare_resharded_resume(cfg: RunConfig) -> str | None:
@@ -74,24 +74,6 @@ def _consolidate_rank(cfg: RunConfig, path: str) -> None:
         extra = {k: state[k] for k in ("step", "sampler", "rng", "scaler") if k in state}
         write_atomic(Path(path) / FULL_STATE, {**full, **extra})
 
-
-
-def lr_at(step: int, cfg: RunConfig) -> float:
-    """Linear warmup to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup - 1)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-def params_sha256(named_params: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over (name, fp32 little-endian bytes) of every parameter, names sorted."""
-    digest = hashlib.sha256()
-    for name in sorted(named_params):
-        digest.update(name.encode())
-        digest.update(named_params[name].detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _read_scalars(*values: torch.Tensor | float) -> list[float]:
@@ -254,6 +236,10 @@ class Trainer:
 
 def train_rank(cfg: RunConfig) -> dict[str, Any]:
     """Run ``cfg.steps`` steps on this rank; rank 0's result carries the full-parameter hash."""
+    if cfg.ps_servers is not None:  # servers and workers run different loops (training/param_server_run.py)
+        from workbench.training.param_server_run import train_ps_rank
+
+        return train_ps_rank(cfg)
     torch.manual_seed(cfg.seed)
     trainer = Trainer(cfg)
     restarted = restart_count() > 0 and cfg.ckpt_dir is not None

@@ -285,12 +285,33 @@ def gradient_sync_section(summary: dict[str, Any]) -> list[str]:
     if rows:
         return [f"<h2>gradient compression: {html.escape(str(config.get('grad_compression')))} (rank 0, per step; "
                 f"the ratio is uncompressed fp32 all-reduce bytes / bytes sent)</h2>", _table(rows)]
+    if summary.get("parameter_server"):
+        return parameter_server_section(summary["parameter_server"])
     outer = [m["step"] for m in history if m.get("outer_step")]
     if config.get("local_steps") is not None:
         return [f"<h2>local SGD: H={config['local_steps']}, outer {html.escape(str(config.get('outer_optimizer')))}"
                 f"</h2>", f"<p>parameters averaged (one all-reduce, tag <code>outer</code>) after steps "
                 f"{', '.join(map(str, outer)) or 'none'}; no gradient was communicated.</p>"]
     return []
+
+
+def parameter_server_section(ps: dict[str, Any]) -> list[str]:
+    """Each server's link (bytes in and out beside theory's per step), the staleness of the updates it applied, and
+    how far the workers ran apart (the clock gap; replies held back by ``--max-staleness``)."""
+    theory = ps["theory_step_bytes"]
+    links = [{"server rank": rank, "updates": s["updates"], "bytes in": s["bytes_in"],
+              "theory in / step": theory["server_in"][i], "bytes out": s["bytes_out"],
+              "theory out / step": theory["server_out"][i], "wall (s)": s["wall_s"]}
+             for i, (rank, s) in enumerate(zip(ps["servers"], ps["per_server"], strict=True))]
+    stale = [{"staleness (updates)": k, "updates": v} for k, v in ps["staleness_histogram"].items()]
+    bound = "no bound" if ps.get("max_staleness") is None else f"--max-staleness {ps['max_staleness']}"
+    return [f"<h2>parameter server: {html.escape(ps['mode'])}, workers {ps['workers']}, servers {ps['servers']}</h2>",
+            f"<p>All workers together: {ps['tokens_per_s'] or 0:.0f} tokens/s. Widest clock gap between workers: "
+            f"{ps['max_gap']} steps ({bound}); replies held back {ps['held_s']:.3f} s in all. Each server's link "
+            f"carries every worker's share each way, per step (theory: <code>theory.param_server.step_bytes</code>; "
+            f"the run's bytes also count the first pull).</p>", _table(links),
+            "<h3>staleness of each applied update (updates by others between its pull and its push)</h3>",
+            _table(stale)]
 
 
 def config_section(summary: dict[str, Any]) -> list[str]:

@@ -1,0 +1,44 @@
+"""What a parameter server moves, and when its link becomes the bottleneck (``parallel.param_server``).
+
+Per step, each worker pulls every parameter and pushes every gradient (fp32: 4 bytes an element) plus a header per
+server and direction (fp64 fields: 24 bytes for the pull's [version, norm, loss], 32 for the push's [version,
+clock, |g|², loss]). Server s holds n_s of the P parameters and so receives W (4 n_s + 32) bytes and sends
+W (4 n_s + 24) each step: its link carries W
+times its shard, while a ring all-reduce (Patarasuk & Yuan 2009) sends each rank 2 (N−1)/N · 4P, about 8P bytes
+whatever N is. With the α-β model (Hockney 1994) and messages on one link in series, the busiest server's link
+needs about W (α + 4 n_max / β) each way; the ring 2 (N−1) (α + 4P / (N β)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+PULL_HEADER_BYTES, PUSH_HEADER_BYTES = 24, 32
+FP32 = 4
+
+
+def step_bytes(shard_numels: Sequence[int], workers: int) -> dict[str, Any]:
+    """Bytes of one step: per worker (each way) and per server (each way), for shards of ``shard_numels``."""
+    if workers < 1 or not shard_numels:
+        raise ValueError(f"need at least one worker and one server, got workers={workers}, "
+                         f"shards={list(shard_numels)}")
+    push = [FP32 * n + PUSH_HEADER_BYTES for n in shard_numels]
+    pull = [FP32 * n + PULL_HEADER_BYTES for n in shard_numels]
+    return {"worker_push": sum(push), "worker_pull": sum(pull),
+            "server_in": [workers * b for b in push], "server_out": [workers * b for b in pull]}
+
+
+def server_link_seconds(shard_numels: Sequence[int], workers: int, gbps: float, latency_us: float) -> float:
+    """α-β time of one step on the busiest server's link, both directions in series (one NIC, W messages each
+    way): W (2α + (push + pull bytes) / β)."""
+    busiest = max(shard_numels)
+    beta = gbps * 1e9
+    return workers * (2 * latency_us * 1e-6 + (2 * FP32 * busiest + PUSH_HEADER_BYTES + PULL_HEADER_BYTES) / beta)
+
+
+def ring_allreduce_seconds(n_params: int, world: int, gbps: float, latency_us: float) -> float:
+    """α-β time of a ring all-reduce of ``n_params`` fp32 values over ``world`` ranks: 2 (N−1) (α + 4P / (N β))."""
+    if world == 1:
+        return 0.0
+    return 2 * (world - 1) * (latency_us * 1e-6 + FP32 * n_params / (world * gbps * 1e9))
