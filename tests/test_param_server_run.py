@@ -51,7 +51,7 @@ def test_synchronous_ps_trains_as_data_parallelism_over_its_workers(ddp_losses, 
 
 
 def _async(**extra) -> dict:
-    cfg = RunConfig(**{**SMALL, "batch_size": 12}, nproc=4, ps_servers=1, ps_async=True, straggler="rank=2:factor=6",
+    cfg = RunConfig(**{**SMALL, "batch_size": 12}, nproc=4, ps_servers=1, ps_async=True, straggler="rank=0:factor=6",
                     **extra)
     return run_training(cfg, progress=False)
 
@@ -60,12 +60,16 @@ def test_async_lets_fast_workers_run_ahead_and_the_bound_holds_them(ddp_losses) 
     free, bounded = _async(), _async(max_staleness=1)
     for summary in (free, bounded):
         ps = summary["parameter_server"]
-        assert sum(ps["staleness_histogram"].values()) == 3 * 6  # every push of 3 workers applied
+        # server 0 stops the run after 3 x 6 gradients, from whichever workers were ready (and applies the at
+        # most 2 pushes still under way then)
+        assert 3 * 6 <= sum(ps["staleness_histogram"].values()) <= 3 * 6 + 2
         assert all(torch.isfinite(torch.tensor(summary["losses"])))
     assert bounded["parameter_server"]["max_gap"] <= 1
     assert bounded["parameter_server"]["held_s"] > 0  # fast workers' replies waited for the straggler
     assert free["parameter_server"]["max_gap"] > 1  # unbounded, they ran further ahead
     assert max(int(k) for k in free["parameter_server"]["staleness_histogram"]) > 0
+    by_worker = free["parameter_server"]["per_server"][0]["by_worker"]
+    assert len(free["history"]) == by_worker[0] < 6 < min(by_worker[1], by_worker[2])  # the straggler took fewer
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -8,14 +8,16 @@ every other rank is a worker with a full replica that it never steps itself.
 
 One worker step, against each server s (``PSWorker``):
 
-    pull   server → worker   header [version, norm, loss]        then the shard's parameters, fp32   ``ps_pull``
+    pull   server → worker   header [version, norm, loss, stop]        then the shard's parameters   ``ps_pull``
     ...    forward and backward on the worker's own batch
-    push   worker → server   header [version, clock, |g|², loss]  then the shard's gradients, fp32    ``ps_push``
+    push   worker → server   header [version, clock, |g|², loss, done]  then the shard's gradients    ``ps_push``
 
 ``version`` is how many optimizer steps the server's shard had taken when the parameters were sent; ``clock`` how
 many gradients this worker had pushed before; the headers are fp64 (8 bytes a field). A worker pulls once before
-its first step and once after every push, so a synchronous run ends with every replica holding the servers'
-final parameters.
+its first step and once after every push, and stops when a pull says ``stop``: in sync after ``steps`` steps (every
+replica then holds the servers' final parameters); in async once server 0 has applied ``steps`` x W gradients, from
+whichever workers were ready (a straggler contributes fewer), when each worker also tells the other servers it is
+``done`` (a header alone).
 
 Modes (``ParameterServer.serve``):
 
@@ -55,9 +57,9 @@ from workbench.dist import comm
 
 MODES = ("sync", "async")
 PULL_TAG, PUSH_TAG, NORM_TAG = "ps_pull", "ps_push", "ps_norm"
-#: fp64 header fields (integers below 2^53 are exact): a pull's [version, last update's gradient norm, its loss]
-#: and a push's [version pulled, clock, squared norm of the worker's whole gradient, its loss]
-PULL_HEADER, PUSH_HEADER, HEADER_BYTES = 3, 4, 8
+#: fp64 header fields (integers below 2^53 are exact): a pull's [version, last update's gradient norm, its loss,
+#: stop] and a push's [version pulled, clock, squared norm of the worker's whole gradient, its loss, done]
+PULL_HEADER, PUSH_HEADER, HEADER_BYTES = 4, 5, 8
 
 
 def check_layout(nproc: int, servers: int) -> None:
@@ -117,6 +119,7 @@ class ServerStats:
     gaps: list[int] = field(default_factory=list)
     held_s: float = 0.0
     wall_s: float = 0.0
+    by_worker: dict[int, int] = field(default_factory=dict)  # gradients applied, per worker rank
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -130,7 +133,8 @@ class ServerStats:
     def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "workers": self.workers, "updates": self.updates,
                 "staleness_histogram": self.histogram(), "max_gap": max(self.gaps, default=0),
-                "held_s": self.held_s, "wall_s": self.wall_s, "bytes_in": self.bytes_in,
+                "held_s": self.held_s, "wall_s": self.wall_s, "by_worker": dict(self.by_worker),
+                "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out}
 
 
@@ -150,13 +154,15 @@ class _Shard:
 
 
 class ParameterServer:
-    """The server side: ``serve(steps)`` answers every worker's pulls and applies its pushes until each worker has
-    pushed ``steps`` gradients, then sends the final parameters. ``optimizer`` builds the optimizer over the
-    shard's parameters (one fp32 tensor per name); ``lr(step)``, if given, sets its learning rate before each
-    update (the step: the update's index in sync, update // workers in async, so a schedule spans the run either
-    way); ``clip`` clips the update's gradient to that global L2 norm, as ``clip_grad_norm_`` would on one process:
-    the norm of the averaged gradient over every server's shard in sync (the servers exchange their partial sums of
-    squares, tag ``ps_norm``), the pushing worker's whole gradient in async (its push header carries it)."""
+    """The server side: ``serve(steps)`` answers every worker's pulls and applies its pushes, for ``steps`` steps
+    of every worker in sync and ``steps`` x W gradients from whichever workers are ready in async.
+
+    ``optimizer`` builds the optimizer over the shard's parameters (one fp32 tensor per name); ``lr(step)``, if
+    given, sets its learning rate before each update (the step: the update's index in sync, update // workers in
+    async, so a schedule spans the run either way); ``clip`` clips the update's gradient to that global L2 norm,
+    as ``clip_grad_norm_`` would on one process: the norm of the averaged gradient over every server's shard in
+    sync (the servers exchange their partial sums of squares, tag ``ps_norm``), the pushing worker's whole
+    gradient in async (its push header carries it)."""
 
     def __init__(self, model: nn.Module, servers: Sequence[int], workers: Sequence[int],
                  optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], *, mode: str = "sync",
@@ -183,21 +189,27 @@ class ParameterServer:
 
     # -- messages -------------------------------------------------------------------------------------------------
 
-    def _send_params(self, worker: int) -> list[comm.Work]:
-        header = torch.tensor([self.version, *self.last], dtype=torch.float64, device=self.shard.flat.device)
+    def _send_params(self, worker: int, stop: bool = False) -> list[comm.Work]:
+        header = torch.tensor([self.version, *self.last, float(stop)], dtype=torch.float64,
+                              device=self.shard.flat.device)
         payload = self.shard.flat.clone()  # the worker gets this version even if an update lands before it leaves
         self.stats.bytes_out += HEADER_BYTES * PULL_HEADER + payload.numel() * 4
         return [comm.isend(header, worker, tag=PULL_TAG), comm.isend(payload, worker, tag=PULL_TAG)]
 
-    def _recv_push(self, worker: int | None) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(sender, header, gradient) of the next push: from ``worker``, or from whichever worker is first."""
+    def _recv_push(self, worker: int | None) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """(sender, header, gradient) of the next push: from ``worker``, or from whichever worker is first. A
+        worker's ``done`` is a header alone: the gradient is None."""
         header = torch.zeros(PUSH_HEADER, dtype=torch.float64, device=self.shard.flat.device)
         if worker is None:
             worker = comm.recv_any(header, tag=PUSH_TAG)
         else:
             comm.recv(header, worker, tag=PUSH_TAG)
+        if header[4] > 0:
+            self.stats.bytes_in += HEADER_BYTES * PUSH_HEADER
+            return worker, header, None
         grad = torch.empty_like(self.shard.flat)
         comm.recv(grad, worker, tag=PUSH_TAG)
+        self.stats.by_worker[worker] = self.stats.by_worker.get(worker, 0) + 1
         self.stats.bytes_in += HEADER_BYTES * PUSH_HEADER + grad.numel() * 4
         return worker, header, grad
 
@@ -259,49 +271,54 @@ class ParameterServer:
             self.stats.gaps.append(0)
             sends = _settled(sends)  # every worker took its last pull before it pushed: these are done
             for w in self.workers:
-                sends += self._send_params(w)
+                sends += self._send_params(w, stop=self.version == steps)
         return sends
 
     def _serve_async(self, steps: int) -> list[comm.Work]:
         """Apply pushes in arrival order (``comm.recv_any`` on the header: whichever worker is first), then answer
-        each pusher once the staleness bound lets it run on. A worker is computing (released, pushes to come),
-        held (pushed, its reply waiting for the slowest) or done; the slowest is never held, so this ends."""
+        each pusher once the staleness bound lets it run on. A worker is computing (released, a push to come), held
+        (pushed, its reply waiting for the slowest) or finished. Server 0 stops each worker it answers once it has
+        applied ``steps`` x W gradients; the others learn it from the worker's ``done``. The slowest active worker is
+        never held, so this ends."""
         sends: list[comm.Work] = []
-        clock = dict.fromkeys(self.workers, 0)
+        clock, budget = dict.fromkeys(self.workers, 0), steps * len(self.workers)
         for w in self.workers:
             sends += self._send_params(w)
-        computing, held = set(self.workers), {}  # held: worker -> when its reply was held back
+        active, computing, held = set(self.workers), set(self.workers), {}  # held: worker -> when it was held
         while computing or held:
             if computing:
                 w, header, grad = self._recv_push(None)
                 if w not in computing:
                     raise RuntimeError(f"server {self.index}: a push from rank {w}, which is not a computing worker "
                                        f"(computing: {sorted(computing)})")
-                norm = math.sqrt(float(header[2]))  # the worker's whole gradient: what is applied, on every server
-                self._apply(grad, [self.version - int(header[0])], norm, float(header[3]))
-                clock[w] += 1
                 computing.discard(w)
-                held[w] = time.perf_counter()
-            for w in self._release_ready(held, clock, steps):
-                sends += self._send_params(w)
-                if clock[w] < steps:
+                if grad is None:  # done: server 0 stopped it
+                    active.discard(w)
+                else:
+                    norm = math.sqrt(float(header[2]))  # the worker's whole gradient, what every server applies
+                    self._apply(grad, [self.version - int(header[0])], norm, float(header[3]))
+                    clock[w] += 1
+                    held[w] = time.perf_counter()
+            stop = self.index == 0 and self.stats.updates >= budget
+            for w in self._release_ready(held, clock, active, stop):
+                sends += self._send_params(w, stop=stop)
+                if stop:
+                    active.discard(w)
+                else:
                     computing.add(w)
             sends = _settled(sends)
         return sends
 
-    def _gap(self, w: int, clock: dict[int, int], steps: int) -> int:
-        unfinished = [c for c in clock.values() if c < steps]
-        return clock[w] - min(unfinished) if unfinished and clock[w] < steps else 0
-
-    def _release_ready(self, held: dict[int, float], clock: dict[int, int], steps: int) -> list[int]:
-        """The held workers the bound lets run on (every one, unbounded), in worker order; their waits and gaps
-        recorded."""
+    def _release_ready(self, held: dict[int, float], clock: dict[int, int], active: set[int], stop: bool) -> list[int]:
+        """The held workers that may run on, in worker order: every one when stopping or unbounded, else those at
+        most ``max_staleness`` steps ahead of the slowest active worker; their waits and gaps recorded."""
         k, ready = self.max_staleness, []
         for w in sorted(held, key=self.workers.index):
-            gap = self._gap(w, clock, steps)
-            if k is None or gap <= k:
+            gap = clock[w] - min(clock[u] for u in active) if w in active else 0
+            if stop or k is None or gap <= k:
                 self.stats.held_s += time.perf_counter() - held.pop(w)
-                self.stats.gaps.append(gap)
+                if not stop:  # the gap a worker runs on at (one stopped runs no more)
+                    self.stats.gaps.append(gap)
                 ready.append(w)
         return ready
 
@@ -328,7 +345,8 @@ class PSWorker:
     """The worker side, wrapping its replica: ``pull()`` loads every server's shard into the model (call it once
     before the first step and after every ``push``), ``push(loss)`` sends the gradients the last backward left,
     their squared norm and the loss. The replica's own parameters are never stepped here. After a pull,
-    ``update_norm`` and ``update_loss`` are the last update's (in sync: the global batch's)."""
+    ``update_norm`` and ``update_loss`` are server 0's last update's (in sync: the global batch's), and ``stopped``
+    says the run is over for this worker (in async, then call ``done()``)."""
 
     def __init__(self, model: nn.Module, servers: Sequence[int]) -> None:
         self.model, self.servers = model, list(servers)
@@ -338,6 +356,7 @@ class PSWorker:
         self.versions = [0] * len(self.servers)
         self.clock = 0
         self.update_norm = self.update_loss = 0.0
+        self.stopped = False
         self.bytes_sent = self.bytes_received = 0
 
     def pull(self) -> None:
@@ -346,12 +365,21 @@ class PSWorker:
             flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=self.device)
             comm.recv(header, server, tag=PULL_TAG)
             comm.recv(flat, server, tag=PULL_TAG)
-            version, self.update_norm, self.update_loss = header.tolist()
+            version, norm, loss, stop = header.tolist()
             self.versions[i] = int(version)
+            if i == 0:  # server 0 speaks for the run: its last update and, in async, when to stop
+                self.update_norm, self.update_loss, self.stopped = norm, loss, stop > 0
             with torch.no_grad():
                 for p, v in zip(params, flat.split([p.numel() for p in params]), strict=True):
                     p.copy_(v.view(p.shape))
             self.bytes_received += HEADER_BYTES * PULL_HEADER + flat.numel() * 4
+
+    def done(self) -> None:
+        """Async, after the pull that said stop: tell the other servers this worker pushes no more."""
+        header = torch.tensor([0, self.clock, 0, 0, 1], dtype=torch.float64, device=self.device)
+        for server in self.servers[1:]:
+            comm.send(header, server, tag=PUSH_TAG)
+            self.bytes_sent += HEADER_BYTES * PUSH_HEADER
 
     def _flat_grads(self) -> list[torch.Tensor]:
         return [torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
@@ -364,7 +392,7 @@ class PSWorker:
         sq = float(sum(f.double().square().sum() for f in flats))
         works = []
         for i, (server, flat) in enumerate(zip(self.servers, flats, strict=True)):
-            header = torch.tensor([self.versions[i], self.clock, sq, float(loss)], dtype=torch.float64,
+            header = torch.tensor([self.versions[i], self.clock, sq, float(loss), 0], dtype=torch.float64,
                                   device=self.device)
             works += [comm.isend(header, server, tag=PUSH_TAG), comm.isend(flat, server, tag=PUSH_TAG)]
             self.bytes_sent += HEADER_BYTES * PUSH_HEADER + flat.numel() * 4
@@ -374,5 +402,6 @@ class PSWorker:
         return math.sqrt(sq)
 
     def finish(self) -> None:
-        """The final pull (the servers send their shards once more after the last push)."""
+        """Async: the final parameters, which the servers send worker 0 once every worker has stopped
+        (``ParameterServer.send_final``)."""
         self.pull()

@@ -1,9 +1,9 @@
 """What a parameter server moves, and when its link becomes the bottleneck (``parallel.param_server``).
 
 Per step, each worker pulls every parameter and pushes every gradient (fp32: 4 bytes an element) plus a header per
-server and direction (fp64 fields: 24 bytes for the pull's [version, norm, loss], 32 for the push's [version,
-clock, |g|², loss]). Server s holds n_s of the P parameters and so receives W (4 n_s + 32) bytes and sends
-W (4 n_s + 24) each step: its link carries W
+server and direction (fp64 fields: 32 bytes for the pull's [version, norm, loss, stop], 40 for the push's
+[version, clock, |g|², loss, done]). Server s holds n_s of the P parameters and so receives W (4 n_s + 40) bytes
+and sends W (4 n_s + 32) each step: its link carries W
 times its shard, while a ring all-reduce (Patarasuk & Yuan 2009) sends each rank 2 (N−1)/N · 4P, about 8P bytes
 whatever N is. With the α-β model (Hockney 1994) and messages on one link in series, the busiest server's link
 needs about W (α + 4 n_max / β) each way; the ring 2 (N−1) (α + 4P / (N β)).
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-PULL_HEADER_BYTES, PUSH_HEADER_BYTES = 24, 32
+PULL_HEADER_BYTES, PUSH_HEADER_BYTES = 32, 40
 FP32 = 4
 
 

@@ -5,7 +5,9 @@ Not the ``Trainer``'s loop: its ranks all run the same step, and here they do no
 run's lr schedule, weight decay and betas, and ``--clip`` on the global norm) and serves. Every other rank is a
 worker: it pulls the parameters, takes its equal share of the global batch (``ShardedSampler`` over the W workers),
 runs forward and backward in traced spans (so ``--straggler`` slows it as it would a trainer's rank), pushes the
-gradients and pulls again. A synchronous run's step is then the same update as data parallelism on the same global
+gradients and pulls again, until a pull says stop: after ``--steps`` steps in sync; in async once server 0 has
+applied ``--steps`` x W gradients, so the run sees as much data either way while a fast worker takes more of the
+steps than a straggler. A synchronous run's step is then the same update as data parallelism on the same global
 batch (``tests/test_param_server_run.py`` compares the losses with ``--nproc W``); an asynchronous one lets each
 worker run at its own pace, each update's staleness recorded.
 
@@ -100,10 +102,10 @@ def _work(cfg: RunConfig, model: torch.nn.Module, servers: list[int], workers: l
     tokens = cfg.batch_size * model_cfg.seq_len // (len(workers) if cfg.ps_async else 1)
     with trace.span("pull", "wait"):
         worker.pull()
-    history = []
-    for step in range(cfg.steps):
+    history, step = [], 0
+    while not worker.stopped:  # sync: cfg.steps steps; async: until server 0 has applied steps x W gradients
         trace.set_step(step)
-        if tracer is not None:
+        if tracer is not None:  # async: a fast worker may take more than cfg.steps steps, a slow one fewer
             tracer.enabled = step >= cfg.steps - cfg.trace_steps
             tracer.take_compute_s()
         t0 = time.time()
@@ -119,7 +121,7 @@ def _work(cfg: RunConfig, model: torch.nn.Module, servers: list[int], workers: l
             norm = worker.push(loss.detach())
             worker.pull()
         elapsed = time.time() - t0
-        metrics = {"step": step, "loss": worker.update_loss if not cfg.ps_async else float(loss),
+        metrics = {"step": step, "loss": worker.update_loss if not cfg.ps_async else float(loss.detach()),
                    "grad_norm": worker.update_norm if not cfg.ps_async else norm, "lr": lr_at(step, cfg),
                    "step_time_s": elapsed, "data_wait_s": data_wait, "tokens_per_s": tokens / elapsed,
                    "loss_scale": None, "skipped": False}
@@ -128,14 +130,18 @@ def _work(cfg: RunConfig, model: torch.nn.Module, servers: list[int], workers: l
             tracer.record_metrics(metrics)
         history.append(metrics)
         report(metrics)
-    if cfg.ps_async and index == 0:
-        worker.finish()  # the servers' final parameters (send_final)
+        step += 1
+    if cfg.ps_async:
+        worker.done()  # the other servers learn from this that no push follows
+        if index == 0:
+            worker.finish()  # the servers' final parameters (send_final)
     return history
 
 
 def ps_summary(cfg: RunConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json's ``parameter_server``: each server's view, merged staleness, bytes beside theory, and the
-    throughput of all workers together (tokens of every worker's steps over the slowest server's wall time)."""
+    """summary.json's ``parameter_server``: each server's view, merged staleness (one entry per gradient and
+    server), bytes beside theory, and the throughput of all workers together (the tokens behind every gradient
+    server 0 applied, over the slowest server's wall time)."""
     servers, workers = _roles(cfg)
     per_server = [results[s]["ps_server"] for s in servers]
     histogram: dict[int, int] = {}
@@ -147,7 +153,8 @@ def ps_summary(cfg: RunConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
     shards = model_shards(model, cfg.ps_servers)
     theory = step_bytes([sum(sizes[n] for n in names) for names in shards], len(workers))
     wall = max(s["wall_s"] for s in per_server)
-    tokens = cfg.steps * cfg.batch_size * cfg.gpt_config().seq_len
+    pushes = sum(per_server[0]["staleness_histogram"].values())  # one per worker gradient server 0 applied
+    tokens = pushes * cfg.batch_size // len(workers) * cfg.gpt_config().seq_len
     return {"mode": _mode(cfg), "servers": servers, "workers": workers, "max_staleness": cfg.max_staleness,
             "per_server": per_server, "staleness_histogram": dict(sorted(histogram.items())),
             "max_gap": max(s["max_gap"] for s in per_server), "held_s": max(s["held_s"] for s in per_server),
