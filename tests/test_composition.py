@@ -28,12 +28,26 @@ REFUSED = [
     (Combination(local_steps=4, tp=2), "local_steps=4 (local SGD / DiLoCo)"),
     (Combination(ps_servers=1, zero=1), "ps_servers=1 (a parameter server)"),
     (Combination(ps_servers=1, tp=2), "ps_servers=1 (a parameter server)"),
+    (Combination(ep=2), "it needs moe_experts > 0"),
+    (Combination(moe_experts=4, tp=2), "a mixture of experts (moe_experts=4) composes with"),
+    (Combination(moe_experts=4, pp=2), "a mixture of experts (moe_experts=4) composes with"),
+    (Combination(moe_experts=4, cp=2), "a mixture of experts (moe_experts=4) composes with"),
+    (Combination(moe_experts=4, recompute="full"), "recompute='full'"),
+    (Combination(moe_experts=4, ps_servers=1), "a mixture of experts (moe_experts=4) composes with"),
+    (Combination(moe_experts=4, ep=2, zero=2), "expert parallelism (ep=2) composes with"),
+    (Combination(moe_experts=4, ep=2, zero=3), "expert parallelism (ep=2) composes with"),
+    (Combination(moe_experts=4, ep=2, grad_compression="powersgd"), "expert parallelism (ep=2) composes with"),
+    (Combination(moe_experts=4, ep=2, local_steps=4), "expert parallelism (ep=2) composes with"),
 ]
 COMPOSES = [Combination(), Combination(tp=2, sp=True), Combination(pp=2, zero=1, tp=2, sp=True),
             Combination(zero=3, reduce_dtype="bf16", zero3_replicate=("*norm",), offload=True)]
 COMPOSES += [Combination(tp=2, zero=z) for z in range(4)] + [Combination(cp=2, zero=z) for z in range(4)]
 COMPOSES += [Combination(cp=4, grad_accum=2, recompute="full"), Combination(grad_compression="topk", zero=1, tp=2),
              Combination(grad_compression="powersgd", cp=2), Combination(local_steps=8), Combination(ps_servers=2)]
+COMPOSES += [Combination(moe_experts=4, zero=z) for z in range(4)] + [Combination(moe_experts=4, ep=2, zero=z)
+                                                                     for z in (0, 1)]
+COMPOSES += [Combination(moe_experts=4, ep=2, grad_accum=2, recompute="selective"),
+             Combination(moe_experts=4, local_steps=4), Combination(moe_experts=4, grad_compression="topk")]
 
 
 @pytest.mark.parametrize("combination, reason", REFUSED)
@@ -55,8 +69,9 @@ def test_every_rule_is_exercised() -> None:
 
 
 def _run_config(c: Combination) -> dict:
-    nproc = c.tp * c.pp * c.cp * (2 if c.zero else 1) + (c.ps_servers or 0)
-    return dict(nproc=nproc, tp=c.tp, pp=c.pp, sp=c.sp, cp=c.cp, recompute=c.recompute, zero=c.zero,
+    nproc = c.tp * c.pp * c.cp * (2 if c.zero or c.ep > 1 else 1) + (c.ps_servers or 0)
+    return dict(nproc=nproc, moe_experts=c.moe_experts, ep=c.ep,
+                tp=c.tp, pp=c.pp, sp=c.sp, cp=c.cp, recompute=c.recompute, zero=c.zero,
                 grad_compression=c.grad_compression, local_steps=c.local_steps, ps_servers=c.ps_servers,
                 grad_accum=c.grad_accum,
                 zero3_replicate=list(c.zero3_replicate), reduce_dtype=c.reduce_dtype, offload=c.offload,
@@ -72,7 +87,7 @@ def test_run_config_refuses_what_the_table_refuses(combination: Combination, rea
 
 CALC_EXPRESSIBLE = [(c, r) for c, r in REFUSED if c.grad_accum == 1 and not c.zero3_replicate
                     and c.reduce_dtype == "fp32" and c.recompute == "none" and c.grad_compression == "none"
-                    and c.local_steps is None and c.ps_servers is None]
+                    and c.local_steps is None and c.ps_servers is None and c.moe_experts == 0 and c.ep == 1]
 
 
 @pytest.mark.parametrize("combination, reason", CALC_EXPRESSIBLE)

@@ -6,6 +6,7 @@ which trains on N ranks (gloo on the CPU, or NCCL with one GPU per rank) and wri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -52,6 +53,16 @@ def _strategy_flags(p: argparse.ArgumentParser) -> None:
                         "calc: default none, activations left out")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0, help="ZeRO stage")
+    p.add_argument("--moe-experts", type=int, default=0, metavar="E",
+                   help="a mixture of E experts in every block's MLP, each the MLP's shape (run: default 0, the "
+                        "dense GPT; calc: default the preset's)")
+    p.add_argument("--moe-top-k", type=int, default=2, metavar="K", help="experts each token is routed to (1..E)")
+    p.add_argument("--moe-capacity-factor", type=_capacity_factor, default=None, metavar="C|none",
+                   help="an expert takes at most ceil(C x tokens x K / E) assignments per layer call, the rest are "
+                        "dropped (Switch: 1.25); 'none' (default): no token is ever dropped")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: the experts split over ep of the data-parallel ranks, tokens sent to "
+                        "them by all-to-all (EP borrows from DP: --nproc 4 --ep 2 is dp 4, two copies of each shard)")
     p.add_argument("--offload", action="store_true", help="offload optimizer state (and stage-3 params) to CPU")
 
 
@@ -99,6 +110,8 @@ def _run_parser(sub: Any) -> None:
                         "such as '*norm') whole on every rank, their gradients all-reduced (FSDP's ignored params)")
     p.add_argument("--recompute", choices=RUN_RECOMPUTE_MODES, default="none",
                    help="activation recomputation: selective (the attention core) or full (every block)")
+    p.add_argument("--moe-aux-loss-coef", type=float, default=0.01,
+                   help="--moe-experts: the load-balancing loss's coefficient (Switch Transformers: 0.01)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="compute dtype; fp32 master weights and optimizer state; fp16 adds a dynamic loss scaler")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -234,6 +247,18 @@ def _bucket_mb(text: str) -> float | None:
     return value
 
 
+def _capacity_factor(text: str) -> float | None:
+    """``--moe-capacity-factor``: a number (checked > 0 with the other MoE flags, before any rank starts) or
+    ``none``, no capacity: no token is ever dropped."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 (e.g. 1.25) or 'none' (no token dropped), "
+                                         f"got {text!r}") from None
+
+
 def _link(text: str) -> Any:
     """A link flag: a preset (``nvlink``, ``pcie``, ``infiniband``, ``ethernet``) or ``GBPS,US``, e.g. ``50,10``
     (``theory.topology.parse_link``; its ValueError becomes argparse's one-line error)."""
@@ -286,7 +311,7 @@ def _calc_parser(sub: Any) -> None:
                                    "whether it fits, the pipeline bubble and an α-β communication estimate per "
                                    "axis (workbench.theory.parallelism).")
     _strategy_flags(p)
-    p.set_defaults(batch_size=None)
+    p.set_defaults(batch_size=None, moe_experts=None, moe_top_k=None)  # None: the preset's (a dense one: 0)
     p.add_argument("--model", default="llama-7B", help="a preset of workbench.theory.models.MODEL_PRESETS")
     p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
@@ -361,8 +386,70 @@ def _calc_layout(args: argparse.Namespace) -> Any:
                     microbatches=microbatches, virtual_stages=args.virtual_stages, offload=args.offload, cp=args.cp,
                     cp_layout=args.cp_layout)
     layout.validate(args.model, args.seq_len, nproc=args.nproc)
-    check_composition(layout.combination())  # what `run` refuses, calc refuses (theory.composition)
+    experts, top_k = _calc_moe(args)
+    if experts:  # E, k, C and ep dividing the experts and the dp ranks it borrows (theory.expert)
+        from workbench.theory.expert import check_ep, check_moe
+
+        check_moe(experts, top_k, args.moe_capacity_factor)
+        check_ep(experts, args.ep, dp)
+    # what `run` refuses, calc refuses (theory.composition); a MoE model and ep are not Layout's, so added here
+    check_composition(dataclasses.replace(layout.combination(), moe_experts=experts, ep=args.ep))
     return layout
+
+
+def _calc_moe(args: argparse.Namespace) -> tuple[int, int]:
+    """(experts, top_k) of the calc: the flags', else the preset's (0 experts for a dense one)."""
+    from workbench.theory.models import resolve_preset
+
+    preset = resolve_preset(args.model)
+    experts = args.moe_experts if args.moe_experts is not None else preset.get("moe_experts", 0)
+    top_k = args.moe_top_k if args.moe_top_k is not None else preset.get("moe_top_k", 2)
+    return experts, top_k
+
+
+def _print_calc_moe(args: argparse.Namespace, layout: Any, micro: int) -> None:
+    """Expert parallelism's rows (``theory.expert.moe_layout``): experts per rank, their memory, capacity and the
+    all-to-all. The memory table above counts every expert on every rank (the calculator prices a dense layout)."""
+    from workbench.theory.expert import expert_param_count, moe_layout
+    from workbench.theory.models import resolve_preset
+
+    experts, top_k = _calc_moe(args)
+    if not experts:
+        return
+    preset = resolve_preset(args.model)
+    d = preset["d_model"]
+    if preset.get("arch") == "llama":  # SwiGLU experts, no biases: gate, up (d -> h) and down (h -> d)
+        hidden = preset.get("ffn_hidden", 4 * d)
+        per_expert = 3 * d * hidden
+    else:
+        hidden = 4 * d
+        per_expert = expert_param_count(d, hidden)
+    seq = args.seq_len or preset["seq_len"]
+    value = 4 if args.precision.startswith("fp32") else 2
+    row = moe_layout(preset["n_layer"], d, per_expert, experts, top_k, args.ep, layout.dp, micro * seq,
+                     args.moe_capacity_factor, bytes_per_value=value, bytes_per_param=value)
+    from workbench.theory.parallelism import DEFAULT_LINKS
+
+    link = _calc_links(args, layout)[0].get("dp", DEFAULT_LINKS["dp"])  # the all-to-all runs over dp ranks
+    print(f"mixture of experts (theory.expert): {experts} experts of {per_expert / 1e6:,.1f}M parameters per layer "
+          f"(MLP hidden {hidden}), top-{top_k}, ep={args.ep} over dp={layout.dp}")
+    print(f"  experts per rank {row['experts_per_rank']} of {experts}, {row['copies_of_each_shard']} cop"
+          f"{'y' if row['copies_of_each_shard'] == 1 else 'ies'} of each shard; expert weights per rank "
+          f"{row['expert_param_bytes'] / 2**30:.2f} GiB ({row['expert_param_bytes_unsplit'] / 2**30:.2f} GiB "
+          f"unsplit; the table above counts them unsplit, gradients and optimizer state scale alike)")
+    if not micro:
+        print("  capacity and all-to-all: pass --batch-size (tokens per rank decide them)")
+        return
+    cap = "unbounded (--moe-capacity-factor none: no token dropped)" if row["capacity"] is None else \
+        f"{row['capacity']} assignments per layer call (C={args.moe_capacity_factor:g})"
+    print(f"  tokens per rank per micro-batch {micro * seq}, each expert's capacity {cap}")
+    a2a = row["all_to_all_bytes_per_step"]
+    time = ""
+    if link is not None and a2a:
+        time = f", {(2 * preset['n_layer'] * link.alpha + a2a / link.bandwidth) * 1e3:.2f} ms [{link.name}]"
+    print(f"  all-to-all (dispatch + combine, forward and backward, even routing) per micro-batch: "
+          f"{row['all_to_all_bytes_per_layer'] / 1e6:.2f} MB sent per rank per layer, {a2a / 1e9:.3f} GB over "
+          f"{preset['n_layer']} layers{time}")
 
 
 def _calc(args: argparse.Namespace) -> None:
@@ -392,6 +479,7 @@ def _calc(args: argparse.Namespace) -> None:
     if placement:
         print(f"topology: {placement}")
     _print_calc_pipeline_and_comm(table, layout)
+    _print_calc_moe(args, layout, micro)
     if args.scaling:
         _print_scaling(args, layout, table, links)
 

@@ -208,8 +208,9 @@ def summarize(cfg: RunConfig, rank0: dict[str, Any], traces: list[Any]) -> dict[
         "memory_peak_bytes": [t.memory.peak for t in traces],
         "device_memory": [asdict(t.device_memory) if t.device_memory is not None else None for t in traces],
         "mesh": _mesh(cfg),
-        "comm_groups": comm_group_labels(_mesh(cfg)),
+        "comm_groups": comm_group_labels(_mesh(cfg), getattr(cfg, "ep", 1)),
         **({"pipeline": _pipeline_summary(cfg, traces)} if cfg.pp > 1 else {}),
+        **({"moe": moe_summary(cfg, rank0, traces)} if getattr(cfg, "moe_experts", 0) else {}),
     }
 
 
@@ -239,10 +240,11 @@ def _mesh(cfg: RunConfig) -> dict[str, int]:
     return {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
 
 
-def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
+def comm_group_labels(mesh: dict[str, int], ep: int = 1) -> list[dict[str, Any]]:
     """Every process group of the mesh as ``{"ranks": [...], "axis": name}``, so a report can say which axis
     a collective ran on. Axes of size 1 only give one-rank groups; the whole world is labelled by the single
-    axis it equals (e.g. ``dp`` for plain data parallelism), else ``world``."""
+    axis it equals (e.g. ``dp`` for plain data parallelism), else ``world``. With ``ep`` > 1, expert parallelism's
+    groups over the dp ranks: ``ep`` (tokens' all-to-all) and ``expert_data`` (an expert shard's gradients)."""
     from workbench.dist.mesh import AXES, MeshShape
 
     shape = MeshShape(**mesh)
@@ -253,8 +255,64 @@ def comm_group_labels(mesh: dict[str, int]) -> list[dict[str, Any]]:
     if shape.cp > 1:  # context parallel ranks share parameters: gradients are averaged over dp x cp
         for rank in range(shape.world_size):
             labels.setdefault(tuple(shape.fused_ranks(("dp", "cp"), rank)), "dp_cp")
+    if ep > 1:
+        from workbench.theory.expert import expert_data_groups, expert_parallel_groups
+
+        for name, groups in (("ep", expert_parallel_groups(shape.dp, ep)), ("expert_data",
+                                                                            expert_data_groups(shape.dp, ep))):
+            for group in groups:
+                labels.setdefault(tuple(group), name)
     labels.setdefault(tuple(range(shape.world_size)), "world")
     return [{"ranks": list(ranks), "axis": axis} for ranks, axis in labels.items()]
+
+
+#: The comm tags of expert parallelism's all-to-alls (``parallel.expert``), forward and backward.
+EP_TAGS = ("ep_counts", "ep_dispatch", "ep_combine", "ep_dispatch_grad", "ep_combine_grad")
+
+
+def moe_summary(cfg: RunConfig, rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
+    """What summary.json says of a mixture of experts: per step, the assignments each expert was chosen for and
+    the dropped ones summed over every rank (``Trainer``'s ``moe_*`` metrics), the run's load per expert, and, with
+    ep > 1, rank 0's all-to-all bytes per traced step measured (comm log) beside ``theory.expert``: exact for the
+    routing that happened and for even routing."""
+    by_rank = [{m["step"]: m for m in t.metrics if "moe_calls" in m} for t in traces] or \
+        [{m["step"]: m for m in rank0["history"]}]
+    per_step = []
+    for m0 in rank0["history"]:
+        ms = [r[m0["step"]] for r in by_rank if m0["step"] in r]
+        load = [sum(col) for col in zip(*(m["moe_tokens_per_expert"] for m in ms), strict=True)]
+        dropped = sum(m["moe_dropped"] for m in ms)
+        per_step.append({"step": m0["step"], "tokens_per_expert": load, "dropped": dropped,
+                         "dropped_fraction": dropped / sum(load) if sum(load) else 0.0})
+    total = [sum(col) for col in zip(*(s["tokens_per_expert"] for s in per_step), strict=True)]
+    out = {"experts": cfg.moe_experts, "top_k": cfg.moe_top_k, "capacity_factor": cfg.moe_capacity_factor,
+           "aux_loss_coef": cfg.moe_aux_loss_coef, "ep": cfg.ep, "per_step": per_step, "load_per_expert": total,
+           "ranks_counted": len(by_rank)}
+    if cfg.ep > 1 and traces and len(by_rank) == cfg.nproc:
+        out["all_to_all"] = _all_to_all_bytes(cfg, traces, by_rank)
+    return out
+
+
+def _all_to_all_bytes(cfg: RunConfig, traces: list[Any], by_rank: list[dict[int, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's all-to-all bytes sent per traced step (every MoE layer, forward and backward): the comm log's, the
+    exact theory for the counts routed (each call's rows to and from the ranks of rank 0's ep group) and the
+    theory for even routing, rows in fp32 (``theory.expert``)."""
+    from workbench.theory.expert import all_to_all_bytes, measured_all_to_all_bytes, rows_to_ranks
+
+    d, experts, ep = cfg.gpt_config().d_model, cfg.moe_experts, cfg.ep
+    per_expert = experts // ep
+    rows = []
+    for step in sorted({c.step for c in traces[0].comms if c.tag in EP_TAGS and c.step is not None}):
+        measured = sum(c.bus_bytes for c in traces[0].comms if c.tag in EP_TAGS and c.step == step)
+        calls = [by_rank[r][step]["moe_calls"] for r in range(ep)]  # rank 0's ep group: ranks 0 .. ep-1
+        exact = even = 0.0
+        for i, call in enumerate(calls[0]):
+            rows_from = [sum(calls[src][i]["kept"][:per_expert]) for src in range(ep)]
+            exact += measured_all_to_all_bytes(rows_to_ranks(call["kept"], ep), rows_from, 0, d, experts)["total"]
+            even += all_to_all_bytes(call["tokens"], d, cfg.moe_top_k, experts, ep)["total"]
+        rows.append({"step": step, "measured_bytes": measured, "theory_exact_bytes": exact,
+                     "theory_even_bytes": even})
+    return rows
 
 
 def _pipeline_summary(cfg: RunConfig, traces: list[Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from torch import nn
 from workbench.dist import comm
 from workbench.models.moe import MoEMLP, is_expert_param, moe_layers, run_experts
 from workbench.parallel.collectives import hierarchical_groups
+from workbench.parallel.grad_norm import clip_by_shares_
 from workbench.theory.expert import check_ep, expert_data_groups, expert_parallel_groups, experts_of_rank
 
 EP_COUNTS_TAG = "ep_counts"
@@ -182,6 +183,32 @@ def reduce_expert_parallel_grads(model: nn.Module, dp_group: Any = None, expert_
     _reduce(list(expert.values()), "sum", expert_data_group, comm.group_size(dp_group), tag)
 
 
+def clip_expert_parallel_grad_norm_(model: nn.Module, max_norm: float, ep_group: Any = None) -> torch.Tensor:
+    """After ``reduce_expert_parallel_grads``: clip to the global norm of the whole model's gradient and return it
+    (0-dim, before clipping). The ranks of an ep group hold the same dense gradients and, between them, every
+    expert once: each adds its experts' squares and 1/ep of the dense ones, and one all-reduce over the ep group
+    sums them into the one-process total (``grad_norm.clip_by_shares_``)."""
+    dense, expert = split_expert_params(model)
+    ep = comm.group_size(ep_group)
+    named = [(n, p.grad) for n, p in {**dense, **expert}.items() if p.grad is not None]
+    device = next(model.parameters()).device
+    return clip_by_shares_(named, {n: 1.0 / ep for n in dense}, (ep_group,), max_norm, device)
+
+
+def full_expert_parallel_parameters(model: nn.Module, ep_group: Any = None) -> dict[str, torch.Tensor]:
+    """Every parameter of the unsplit model by name, on every rank of the ep group (a collective: call it on all of
+    them): the dense ones as held, the experts gathered from the ranks that hold them (through the host, as
+    objects: this runs once, for the final hash and ``--export``, not per step)."""
+    dense, expert = split_expert_params(model)
+    full = {n: p.detach() for n, p in dense.items()}
+    mine = {n: p.detach().cpu() for n, p in expert.items()}
+    device = next(model.parameters()).device
+    for part in comm.all_gather_object(mine, group=ep_group) if comm.group_size(ep_group) > 1 else [mine]:
+        full.update({n: t.to(device) for n, t in part.items()})
+    return full  # by name: the hash sorts names and a state dict loads by name, so order does not matter
+
+
 __all__ = ["EP_COMBINE_TAG", "EP_COUNTS_TAG", "EP_DISPATCH_TAG", "GRAD_SUFFIX", "ExpertParallelRunner",
-           "all_to_all_rows", "apply_expert_parallel", "exchange_counts", "expert_data_groups",
+           "all_to_all_rows", "apply_expert_parallel", "clip_expert_parallel_grad_norm_",
+           "full_expert_parallel_parameters", "exchange_counts", "expert_data_groups",
            "expert_parallel_groups", "expert_process_groups", "reduce_expert_parallel_grads", "split_expert_params"]

@@ -57,6 +57,7 @@ class ParallelConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     sp: bool = False  # sequence parallelism over the tp axis (needs tp > 1)
+    ep: int = 1  # expert parallelism: a MoE model's experts split over ep of the dp ranks (parallel.expert)
     cp_layout: str = "zigzag"  # context parallelism's split of the sequence over the cp axis (parallel.context)
     grad_accum: int = 1  # micro-batches per step of the default forward_backward
     schedule: str = "1f1b"  # pipeline schedule over the pp axis (workbench.theory.pipeline.SCHEDULES)
@@ -235,7 +236,8 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
                                   grad_accum=cfg.grad_accum, zero3_replicate=tuple(cfg.zero3_replicate),
                                   reduce_dtype=cfg.reduce_dtype, offload=cfg.offload, cp=mesh.size("cp"),
                                   recompute=cfg.recompute, grad_compression=cfg.grad_compression,
-                                  local_steps=cfg.local_steps))
+                                  local_steps=cfg.local_steps, ep=cfg.ep,
+                                  moe_experts=getattr(getattr(model, "cfg", None), "moe_experts", 0)))
     amp = _precision(mesh, cfg)
     if mesh.size("cp") > 1:
         strategy = _with_context_parallel(model, mesh, cfg, amp)
@@ -244,6 +246,8 @@ def parallelize(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelize
     else:
         if mesh.tp_size > 1:
             strategy = _with_tensor_parallel(model, mesh, cfg, amp)
+        elif cfg.ep > 1:
+            strategy = _with_expert_parallel(apply_recompute(model, cfg.recompute), mesh, cfg)
         else:
             strategy = _data_parallel(apply_recompute(model, cfg.recompute), mesh, cfg, amp)
         strategy = replace(strategy, forward_backward=_micro_batched(strategy, cfg.grad_accum, amp))
@@ -327,6 +331,65 @@ def _with_context_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp
 
     inner = replace(inner, describe=f"CP={cp} ({layout} ring attention) + {inner.describe} over dp x cp")
     return replace(inner, forward_backward=_micro_batched(inner, cfg.grad_accum, amp, shard))
+
+
+class _OptimizerPair:
+    """Two optimizers stepped as one (EP with ZeRO-1: the dense parameters' state sharded over dp, each expert's
+    over its expert-data group): what the loop touches, ``param_groups`` (the LR reaches both), ``zero_grad``,
+    ``step`` and the state dicts."""
+
+    def __init__(self, *optimizers: Any) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(s)
+
+
+def _with_expert_parallel(model: nn.Module, mesh: Any, cfg: ParallelConfig) -> Parallelized:
+    """Expert parallelism over ep of the dp ranks (``parallel.expert``; DeepSpeed-MoE and torchtitan borrow EP from
+    DP): each rank keeps E/ep experts per layer and sends tokens to the others' by all-to-all. No DDP wrapper: after
+    the last backward, the dense gradients are averaged over dp and each expert's summed over the ranks holding it
+    and divided by dp (a DDP over all dp would average different experts). ZeRO-1 shards the dense parameters'
+    optimizer state over dp and the experts' over their expert-data group; clipping takes the global norm."""
+    from workbench.parallel import expert
+
+    ep_group, data_group = expert.expert_process_groups(cfg.ep, mesh.dp_group)  # every rank, same order
+    expert.apply_expert_parallel(model, ep_group)
+    dense, experts = expert.split_expert_params(model)
+    if cfg.zero == 1:
+        from workbench.parallel.zero import ZeroOptimizer
+
+        shards = ((dense, mesh.dp_group), (experts, data_group))
+        optimizer: Any = _OptimizerPair(*(
+            ZeroOptimizer(list(params.values()), torch.optim.AdamW, group=group, stage=1, offload=cfg.offload,
+                          **_optimizer_kwargs(cfg)) for params, group in shards))
+        record = lambda: None  # noqa: E731 (ZeroOptimizer records its own shards)
+    else:
+        optimizer = torch.optim.AdamW([*dense.values(), *experts.values()], **_optimizer_kwargs(cfg))
+        record = lambda: _record_replicated_memory(model, optimizer)  # noqa: E731
+    dp = mesh.dp_size
+    what = (f"EP={cfg.ep} x DP={dp} ({dp // cfg.ep} cop{'y' if dp == cfg.ep else 'ies'} of each expert shard)"
+            + (" + ZeRO-1" if cfg.zero == 1 else "") + (" + offload" if cfg.offload else ""))
+    return Parallelized(model, optimizer, nullcontext,
+                        lambda: expert.reduce_expert_parallel_grads(model, mesh.dp_group, data_group),
+                        lambda max_norm: expert.clip_expert_parallel_grad_norm_(model, max_norm, ep_group),
+                        lambda: expert.full_expert_parallel_parameters(model, ep_group), record, what)
 
 
 def _with_pipeline(model: nn.Module, mesh: Any, cfg: ParallelConfig, amp: _Precision) -> Parallelized:

@@ -34,6 +34,29 @@ CP_COMPOSES_WITH = ("data parallelism (dp >= 1) and every ZeRO stage (its group 
                     "accumulation, recomputation and mixed precision; not tp or pp (their loss and micro-batches do "
                     "not carry the split sequence's positions)")
 
+#: What a mixture-of-experts model composes with (``models.moe``). Every rank holding every expert (ep = 1), its
+#: experts are parameters like any other: data parallelism, every ZeRO stage, gradient compression and local SGD
+#: treat them as a dense model's. Not tp (it splits the dense MLP's fc and proj, which the experts replace), pp (the
+#: pipeline's last stage computes the loss from the logits alone, without the blocks' load-balancing losses), cp (the
+#: balance loss is per sequence, and a cp rank holds part of each), full recomputation (the recomputed forward
+#: routes and, with ep, dispatches again: a second all-to-all per layer and every token counted twice) or a
+#: parameter server (its workers' loop records no expert load or drops, so far).
+MOE_COMPOSES_WITH = ("data parallelism with every ZeRO stage, gradient accumulation, mixed precision, selective "
+                     "recomputation, gradient compression and local SGD; not tp (it splits the dense MLP the "
+                     "experts replace), pp (the last stage's loss leaves out the blocks' load-balancing losses), cp "
+                     "(the balance loss is per sequence, a cp rank holds part of each), recompute='full' (the "
+                     "recomputed forward routes and dispatches again) or a parameter server (its loop records no "
+                     "expert load)")
+
+#: What expert parallelism composes with. EP borrows its ranks from dp (DeepSpeed-MoE, torchtitan): the dense
+#: parameters' gradients are averaged over dp, each expert's summed over the ranks holding the same shard (the
+#: expert-data group). Whatever reduces or averages every parameter over one dp group would mix different experts.
+EP_COMPOSES_WITH = ("data parallelism with zero 0 (dense gradients averaged over dp, experts' over their expert-data "
+                    "group) or zero 1 (one sharded optimizer per group), gradient accumulation and mixed precision; "
+                    "not ZeRO-2/3 (they reduce-scatter every gradient over all dp ranks, which would average "
+                    "different experts), grad_compression (it compresses the DDP wrappers' all-reduce, which EP does "
+                    "not use) or local SGD (it averages whole replicas' parameters over dp)")
+
 
 @dataclass(frozen=True)
 class Combination:
@@ -52,6 +75,8 @@ class Combination:
     grad_compression: str = "none"
     local_steps: int | None = None
     ps_servers: int | None = None
+    moe_experts: int = 0
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,17 @@ RULES: tuple[Rule, ...] = (
                    f"(zero 0, no tp, pp or cp, no grad_compression or local_steps, grad_accum 1); got zero={c.zero}, "
                    f"tp={c.tp}, pp={c.pp}, cp={c.cp}, grad_compression={c.grad_compression!r}, "
                    f"local_steps={c.local_steps}, grad_accum={c.grad_accum}"),
+    Rule("ep needs moe", lambda c: c.ep > 1 and c.moe_experts == 0,
+         lambda c: f"ep={c.ep} (expert parallelism) splits a mixture of experts' experts over ranks: it needs "
+                   f"moe_experts > 0 (--moe-experts E); got moe_experts={c.moe_experts}", meaningless=True),
+    Rule("moe x tp, pp, cp, full recompute, ps", lambda c: c.moe_experts > 0 and (
+        c.tp > 1 or c.pp > 1 or c.cp > 1 or c.recompute == "full" or c.ps_servers is not None),
+         lambda c: f"a mixture of experts (moe_experts={c.moe_experts}) composes with {MOE_COMPOSES_WITH}; got "
+                   f"tp={c.tp}, pp={c.pp}, cp={c.cp}, recompute={c.recompute!r}, ps_servers={c.ps_servers}"),
+    Rule("ep x zero 2/3, compression, local sgd", lambda c: c.ep > 1 and (
+        c.zero > 1 or c.grad_compression != "none" or c.local_steps is not None),
+         lambda c: f"expert parallelism (ep={c.ep}) composes with {EP_COMPOSES_WITH}; got zero={c.zero}, "
+                   f"grad_compression={c.grad_compression!r}, local_steps={c.local_steps}"),
     Rule("offload needs zero", lambda c: c.offload and c.zero == 0,
          lambda c: "offload needs a ZeRO stage (--zero 1, 2 or 3): stage 0 keeps everything replicated"),
 )
@@ -125,4 +161,5 @@ def check_composition(combination: Combination, meaningless_only: bool = False) 
         raise ValueError(problems[0])
 
 
-__all__ = ["CP_COMPOSES_WITH", "PP_COMPOSES_WITH", "RULES", "Combination", "Rule", "check_composition", "refusals"]
+__all__ = ["CP_COMPOSES_WITH", "EP_COMPOSES_WITH", "MOE_COMPOSES_WITH",
+           "PP_COMPOSES_WITH", "RULES", "Combination", "Rule", "check_composition", "refusals"]

@@ -163,6 +163,24 @@ def expert_memory_per_rank(n_layer: int, d_model: int, hidden: int, experts: int
             "experts_unsplit": experts_bytes * ep}
 
 
+def moe_layout(n_layer: int, d_model: int, params_per_expert: int, experts: int, top_k: int, ep: int, dp: int,
+               tokens_per_rank: int, capacity_factor: float | None = None, bytes_per_value: int = 2,
+               bytes_per_param: int = 2) -> dict[str, float]:
+    """What ``workbench calc`` prints of a MoE layout: experts per rank and copies of each shard (EP borrows its
+    ranks from the ``dp`` ones), the experts' parameter bytes per rank split and unsplit, each expert's capacity
+    per layer call for ``tokens_per_rank`` tokens (None: unbounded), and the all-to-all bytes one rank sends per
+    step over every MoE layer (forward and backward, even routing: ``all_to_all_bytes``)."""
+    check_moe(experts, top_k, capacity_factor)
+    check_ep(experts, ep, dp)
+    a2a = all_to_all_bytes(tokens_per_rank, d_model, top_k, experts, ep, bytes_per_value) if tokens_per_rank else None
+    split = n_layer * (experts // ep) * params_per_expert * bytes_per_param
+    return {"experts_per_rank": experts // ep, "copies_of_each_shard": dp // ep, "expert_param_bytes": split,
+            "expert_param_bytes_unsplit": split * ep,
+            "capacity": expert_capacity(tokens_per_rank, experts, top_k, capacity_factor) if tokens_per_rank else None,
+            "all_to_all_bytes_per_layer": a2a["total"] if a2a else 0.0,
+            "all_to_all_bytes_per_step": n_layer * a2a["total"] if a2a else 0.0}
+
+
 __all__ = ["COUNT_BYTES", "all_to_all_bytes", "check_ep", "check_moe", "dropped_assignments", "expert_capacity",
-           "expert_data_groups", "expert_memory_per_rank", "expert_param_count", "expert_parallel_groups",
+           "expert_data_groups", "expert_memory_per_rank", "moe_layout", "expert_param_count", "expert_parallel_groups",
            "experts_of_rank", "kept_counts", "measured_all_to_all_bytes", "rows_to_ranks"]

@@ -78,6 +78,11 @@ MODEL_PRESETS: dict[str, dict] = {
     "llama-7B": _llama_preset(32, 4096, 32, 6_738_415_616, "Llama-2-7B-like, SwiGLU MLP 11008"),
     "llama-13B": _llama_preset(40, 5120, 40, 13_015_864_320, "Llama-2-13B-like, SwiGLU MLP 13824"),
     "llama-70B": _llama_preset(80, 8192, 64, 68_976_648_192, "Llama-2-70B-like, GQA with 8 KV heads", n_kv_head=8),
+    # Mixtral 8x7B (Jiang et al. 2024): Mistral-7B's shape with every MLP a mixture of 8 SwiGLU experts of 14336,
+    # top-2; 46.7B parameters in all (about 12.9B active per token). moe_* and ffn_hidden: theory.expert's rows.
+    "mixtral-8x7B": {**_llama_preset(32, 4096, 32, 46_702_792_704, "Mixtral-8x7B-like: 8 SwiGLU experts of 14336, "
+                                     "top-2, GQA with 8 KV heads", n_kv_head=8),
+                     "moe_experts": 8, "moe_top_k": 2, "ffn_hidden": 14336},
 }
 
 

@@ -49,6 +49,11 @@ class RunConfig:
     sp: bool = False  # sequence parallelism (needs tp > 1)
     cp: int = 1  # context parallelism: the sequence split over cp ranks, attention as a ring (parallel.context)
     cp_layout: str = "zigzag"  # cp's split: zigzag (chunks r and 2cp-1-r, balanced causal work) or contiguous
+    moe_experts: int = 0  # a mixture of E experts in every block's MLP (models.moe); 0: the dense GPT
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_capacity_factor: float | None = None  # capacity ceil(C x tokens x k / E) per expert; None: nothing dropped
+    moe_aux_loss_coef: float = 0.01  # Switch's load-balancing loss coefficient
+    ep: int = 1  # expert parallelism: the experts split over ep of the dp ranks (parallel.expert)
     recompute: str = "none"  # activation recomputation: none, selective (attention core), full (every block)
     precision: str = "fp32"  # compute dtype: fp32, bf16, fp16 (fp32 masters and optimizer state; fp16: loss scaler)
     reduce_dtype: str = "fp32"  # gradient reduction dtype: fp32, or the compute dtype (needs zero=3)
@@ -150,6 +155,7 @@ class RunConfig:
         check_recompute_mode(self.recompute)
         self._validate_precision()
         check_composition(self.combination())  # what composes: one table (theory.composition)
+        self._validate_moe()
         if self.tp > 1:
             from workbench.parallel.tensor import check_tensor_parallel_sizes
 
@@ -193,6 +199,28 @@ class RunConfig:
         self._validate_links()
         if self.export is not None:
             ensure_writable(Path(self.export).parent)
+
+    def _validate_moe(self) -> None:
+        """MoE flags and ep before any rank starts: E, k and C (``theory.expert.check_moe``), and ep dividing both the
+        experts and the dp ranks it borrows (``check_ep``); what an expert-parallel run does not carry yet."""
+        from workbench.theory.expert import check_ep, check_moe
+
+        experts = self.moe_experts
+        if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
+            raise ValueError(f"moe_experts must be an int >= 0 (0: the dense GPT), got {experts!r}")
+        positive_int("ep", self.ep)
+        if experts == 0:
+            plain = {"moe_top_k": 2, "moe_capacity_factor": None, "moe_aux_loss_coef": 0.01}
+            given = [f"{k}={getattr(self, k)!r}" for k, v in plain.items() if getattr(self, k) != v]
+            if given:
+                raise ValueError(f"{', '.join(given)} set a mixture of experts' routing: it needs --moe-experts E > 0")
+            return
+        check_moe(experts, self.moe_top_k, self.moe_capacity_factor)
+        self.gpt_config()  # the aux loss coefficient's own check (models.moe.MoEConfig)
+        check_ep(experts, self.ep, self.dp)
+        if self.ep > 1 and self.ckpt_dir is not None:
+            raise ValueError(f"ckpt_dir with ep={self.ep}: each rank holds only its experts, and the checkpoint "
+                             f"layer does not save or reshard expert shards yet; leave --ckpt-dir out")
 
     def _validate_local_sgd(self) -> None:
         if self.local_steps is None:
@@ -396,7 +424,10 @@ class RunConfig:
         return self.section(Combination)
 
     def gpt_config(self) -> GPTConfig:
-        overrides = {"seq_len": self.seq_len} if self.seq_len else {}
+        overrides: dict[str, Any] = {"seq_len": self.seq_len} if self.seq_len else {}
+        if self.moe_experts:  # the dense GPT otherwise, built exactly as before
+            overrides.update(moe_experts=self.moe_experts, moe_top_k=self.moe_top_k,
+                             moe_capacity_factor=self.moe_capacity_factor, moe_aux_loss_coef=self.moe_aux_loss_coef)
         return GPTConfig.preset(self.model, **overrides)
 
     def to_dict(self) -> dict[str, Any]:

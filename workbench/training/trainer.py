@@ -35,6 +35,7 @@ from workbench.dist.faults import maybe_inject, parse_fault, restart_count
 from workbench.dist.launch import report
 from workbench.dist.mesh import Mesh
 from workbench.models import build_gpt
+from workbench.models.moe import take_moe_stats
 from workbench.parallel import parallelize
 from workbench.training.config import RunConfig
 from workbench.training.health import HealthMonitor, check_disjoint, check_split, split_windows
@@ -112,6 +113,7 @@ class Trainer:
                                              self.device, self._shard_like_params)
         self._memory_probed = False  # see step(): memory is probed on the first step and on traced steps
         self.tokens_per_step = cfg.batch_size * model_cfg.seq_len
+        self.moe = model_cfg.moe is not None
 
     def step(self) -> dict[str, Any]:
         cfg, s = self.cfg, self.strategy
@@ -136,6 +138,8 @@ class Trainer:
         # freed at the end, the host allocator gave their pages back and backward faulted them in afresh (12 % of
         # a CPU step of the bench GPT, measured beside the plain loop: bench_trainer_step).
         s.optimizer.zero_grad(set_to_none=True)
+        if self.moe:  # count this step's routing only (not a validation forward's, nor a checkpoint's)
+            take_moe_stats()
         local_loss = s.forward_backward(x, y)  # the strategy owns its micro-batches (accumulation or a pipeline)
         with trace.span("grad sync wait", "wait"):
             s.finish_grad_sync()
@@ -158,6 +162,8 @@ class Trainer:
         if s.compressor is not None and s.compressor.history:  # bytes this rank's gradients took, and the saving
             sent = s.compressor.history[-1]
             metrics.update(grad_bytes_sent=sent.sent, compression_ratio=sent.ratio)
+        if self.moe:
+            metrics.update(moe_metrics(take_moe_stats()))
         if tracer is not None:
             tracer.record_metrics(metrics)
         self.step_index += 1
@@ -232,6 +238,17 @@ class Trainer:
         step, _ = self.resume()  # without after_restart it finds a checkpoint or raises
         self.data_skip += bad_step - step
         return step
+
+
+def moe_metrics(stats: dict[str, Any]) -> dict[str, Any]:
+    """A step's routing on this rank (``models.moe.take_moe_stats``): assignments each expert was chosen for and
+    kept, summed over the MoE layers and micro-batches, the dropped ones and their share, and each call's (one per
+    layer per micro-batch, in order) chosen and kept counts and capacity, from which the all-to-all's exact bytes
+    follow (``theory.expert.measured_all_to_all_bytes``)."""
+    chosen = sum(stats["tokens_per_expert"])
+    return {"moe_tokens_per_expert": stats["tokens_per_expert"], "moe_kept_per_expert": stats["kept_per_expert"],
+            "moe_dropped": stats["dropped"], "moe_dropped_fraction": stats["dropped"] / chosen if chosen else 0.0,
+            "moe_calls": [{k: c[k] for k in ("tokens", "capacity", "chosen", "kept")} for c in stats["calls"]]}
 
 
 def train_rank(cfg: RunConfig) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from workbench.theory.comm import sp_grad_collectives, sp_vocab_collectives, tp_vocab_collectives
 from workbench.theory.memory import gpt_activation_bytes, gpt_block_activation_bytes
@@ -180,6 +181,8 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
                      + "</p>")
     if summary.get("pipeline"):
         parts += pipeline_section(summary, traces)
+    if summary.get("moe"):
+        parts += moe_section(summary["moe"])
     parts.append(f"<h2>communication in step {last_traced} (from the log)</h2>")
     parts.append(_table(comm_table(traces, step=last_traced, group_labels=summary.get("comm_groups"))))
     comm = comm_vs_theory(summary, traces)
@@ -293,6 +296,34 @@ def gradient_sync_section(summary: dict[str, Any]) -> list[str]:
                 f"</h2>", f"<p>parameters averaged (one all-reduce, tag <code>outer</code>) after steps "
                 f"{', '.join(map(str, outer)) or 'none'}; no gradient was communicated.</p>"]
     return []
+
+
+def moe_section(moe: dict[str, Any]) -> list[str]:
+    """A mixture of experts (summary.json's ``moe``): the load per expert over the run (assignments chosen, before
+    capacity, summed over ranks and layers), the dropped share per step, and with ep > 1 rank 0's all-to-all bytes
+    per traced step measured beside ``theory.expert`` (exact for the routing that happened; even routing)."""
+    cap = "none (no token dropped)" if moe["capacity_factor"] is None else f"{moe['capacity_factor']:g}"
+    parts = [f"<h2>mixture of experts: {moe['experts']} experts, top-{moe['top_k']}, capacity factor "
+             f"{html.escape(cap)}, ep={moe['ep']}</h2>"]
+    load = moe["load_per_expert"]
+    steps = [s["step"] for s in moe["per_step"]]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("load per expert (assignments, whole run)",
+                                                        "dropped fraction per step"))
+    fig.add_trace(go.Bar(x=[str(i) for i in range(len(load))], y=load, name="assignments"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=steps, y=[s["dropped_fraction"] for s in moe["per_step"]], mode="lines+markers",
+                             name="dropped fraction"), row=1, col=2)
+    fig.update_layout(template=_COMPACT, height=320, showlegend=False)
+    parts.append(figure_html(fig))
+    mean = sum(load) / len(load) if load else 0
+    parts.append(f"<p>busiest expert {max(load, default=0):,} assignments, {max(load, default=0) / mean:.2f} x the "
+                 f"mean; dropped in all {sum(s['dropped'] for s in moe['per_step']):,}.</p>" if mean else "")
+    if moe.get("all_to_all"):
+        parts.append("<h3>all-to-all bytes rank 0 sent per traced step (dispatch, combine, counts; forward and "
+                     "backward): comm log beside theory.expert</h3>")
+        parts.append(_table([{"step": r["step"], "measured": r["measured_bytes"],
+                              "theory (routing as counted)": r["theory_exact_bytes"],
+                              "theory (even routing)": r["theory_even_bytes"]} for r in moe["all_to_all"]]))
+    return parts
 
 
 def parameter_server_section(ps: dict[str, Any]) -> list[str]:
