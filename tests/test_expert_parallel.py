@@ -164,7 +164,9 @@ def ranks4() -> list[dict]:
     return launch(_rank, 4, device="cpu", timeout=TIMEOUT)
 
 
-@pytest.fixture(params=[2, 4], ids=["world2", "world4"])
+# The 4-rank launch (ep 4, and ep 2 x dp 2 with ZeRO-1) runs in the extended lane: the test command checks the same
+# layouts end to end in tests/test_moe_run.py (ep 4, ep 2, ep 2 + ZeRO-1 against one process, through the trainer).
+@pytest.fixture(params=[2, pytest.param(4, marks=pytest.mark.extended)], ids=["world2", "world4"])
 def ranks(request) -> list[dict]:
     return request.getfixturevalue(f"ranks{request.param}")
 
@@ -288,6 +290,7 @@ def test_ep_drops_what_the_capacity_rule_drops(ranks2):
 
 # -- composition with ZeRO-1 ------------------------------------------------------------------------------------
 
+@pytest.mark.extended
 def test_ep_times_dp_with_zero1_matches_one_process_adamw(ranks4):
     build, batches = (lambda: build_gpt(MOE, seed=0)), _batch
     want = reference_train(build, batches, steps=STEPS, lr=LR)

@@ -56,7 +56,8 @@ def _async(**extra) -> dict:
     return run_training(cfg, progress=False)
 
 
-def test_async_lets_fast_workers_run_ahead_and_the_bound_holds_them(ddp_losses) -> None:
+@pytest.mark.extended  # the test command runs --ps-async with a straggler, bounded and not, in notebook 13 (asserted)
+def test_async_lets_fast_workers_run_ahead_and_the_bound_holds_them() -> None:
     free, bounded = _async(), _async(max_staleness=1)
     for summary in (free, bounded):
         ps = summary["parameter_server"]
@@ -81,6 +82,7 @@ def test_async_lets_fast_workers_run_ahead_and_the_bound_holds_them(ddp_losses) 
     (dict(nproc=3, ps_servers=1, precision="bf16"), "trains fp32 replicas"),
     (dict(nproc=3, ps_servers=1, batch_size=9), "batch_size=9 must be a positive multiple of dp"),
     (dict(nproc=4, ps_servers=2, ps_async=True, nodes=2), "an emulated link must know a message's sender"),
+    (dict(nproc=3, ps_servers=1, ps_async=True, backend="nccl"), "which gloo has and NCCL does not"),
 ])
 def test_bad_parameter_server_input_is_refused_before_ranks_start(flags: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:

@@ -254,6 +254,10 @@ class RunConfig:
                 raise ValueError(f"{name}={value!r} with ps_servers={self.ps_servers}: the parameter server's run "
                                  f"path trains fp32 replicas without checkpoints, validation, faults, shaped links "
                                  f"or export so far; leave --{name.replace('_', '-')} out")
+        if self.ps_async and (self.device == "cuda" or self.backend == "nccl"):
+            raise ValueError(f"ps_async with device={self.device!r}, backend={self.backend!r}: an asynchronous server "
+                             f"takes whichever push comes first (an any-source receive), which gloo has and NCCL "
+                             f"does not; run it with --device cpu (or a synchronous server on GPUs)")
         if self.ps_async and self.emulates_links:
             raise ValueError("ps_async with emulated links (--nodes / --intra-link / --inter-link): an asynchronous "
                              "server takes whichever push comes first, and an emulated link must know a message's "
