@@ -40,6 +40,7 @@ def test_synchronous_ps_trains_as_data_parallelism_over_its_workers(ddp_losses, 
     summary = json.loads((out / "summary.json").read_text())
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(ddp_losses), rtol=LOSS_RTOL, atol=0)
     assert summary["mesh"]["dp"] == 2 and summary["strategy"].startswith("parameter server (sync: 2 server(s)")
+    assert all(m["grad_norm"] > 0 for m in summary["history"])  # the global batch's norm, from both servers' shares
     ps = summary["parameter_server"]
     assert ps["servers"] == [2, 3] and ps["workers"] == [0, 1]
     assert ps["staleness_histogram"] == {"0": 2 * 6 * 2}  # 2 servers x 6 updates x 2 workers, never stale

@@ -266,7 +266,7 @@ class ParameterServer:
                 losses.append(float(header[3]))
                 total = grad if total is None else total.add_(grad)
             total.div_(len(self.workers))
-            norm = self._global_norm(total) if self.clip is not None else 0.0
+            norm = self._global_norm(total)  # clips, and is the step's grad_norm the workers report
             self._apply(total, staleness, norm, sum(losses) / len(losses))
             self.stats.gaps.append(0)
             sends = _settled(sends)  # every worker took its last pull before it pushed: these are done
