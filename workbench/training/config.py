@@ -168,15 +168,7 @@ class RunConfig:
             raise ValueError(f"ddp={self.ddp!r}; valid: {', '.join(DDP_KINDS)}")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero={self.zero!r}; valid: {ZERO_STAGES}")
-        check_scheme(self.grad_compression)
-        check_rank(self.powersgd_rank)
-        check_ratio(self.topk_ratio)
-        if isinstance(self.compression_warmup, bool) or not isinstance(self.compression_warmup, int) \
-                or self.compression_warmup < 0:
-            raise ValueError(f"compression_warmup must be an int >= 0 (steps of plain all-reduce first), got "
-                             f"{self.compression_warmup!r}")
-        self._validate_local_sgd()
-        self._validate_parameter_server()
+        self._validate_gradient_sync()
         mib = self.bucket_mb
         if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0):
             raise ValueError(f"bucket_mb must be > 0 MiB, or None for one bucket, got {self.bucket_mb}")
@@ -199,6 +191,18 @@ class RunConfig:
         self._validate_links()
         if self.export is not None:
             ensure_writable(Path(self.export).parent)
+
+    def _validate_gradient_sync(self) -> None:
+        """The alternatives to one full all-reduce a step: compression, local SGD, a parameter server."""
+        check_scheme(self.grad_compression)
+        check_rank(self.powersgd_rank)
+        check_ratio(self.topk_ratio)
+        if isinstance(self.compression_warmup, bool) or not isinstance(self.compression_warmup, int) \
+                or self.compression_warmup < 0:
+            raise ValueError(f"compression_warmup must be an int >= 0 (steps of plain all-reduce first), got "
+                             f"{self.compression_warmup!r}")
+        self._validate_local_sgd()
+        self._validate_parameter_server()
 
     def _validate_moe(self) -> None:
         """MoE flags and ep before any rank starts: E, k and C (``theory.expert.check_moe``), and ep dividing both the
