@@ -5,11 +5,11 @@ user runs it; times are medians of steps after the first.
 * ``ps_server_link_vs_ring`` (**emulated** time): every rank a node of its own, joined by a slow emulated link
   (``SLOW_LINK``: 0.02 GB/s, 100 µs; ``workbench.dist.emulation``), one server and W = 1, 2, 3 workers, beside DDP
   over the same W ranks. Per W: the time a step waits on the links (rank 0's step time minus its compute spans),
-  theory's for the emulator (one push, then the server's W pulls queued on its link: the emulator queues what a rank
-  sends; a real NIC would queue the pushes too, which ``theory.param_server.server_link_seconds`` counts), the ring's
-  (``ring_allreduce_seconds``), and the server's bytes per step measured beside ``theory.param_server.step_bytes``.
-  Headline: PS wait / DDP wait at the largest W (goal: none; the row shows the server's link as the bottleneck, the
-  ratio growing with W).
+  theory's for the emulator (one push, then the server's W pulls queued on its link: the emulator queues what a
+  rank sends, ``theory.param_server.server_link_seconds(..., pushes_queue=False)``; a real NIC would queue the
+  pushes too, which its default counts), the ring's (``theory.comm.ring_allreduce_time``), and the server's bytes
+  per step measured beside ``theory.param_server.step_bytes``. Headline: PS wait / DDP wait at the largest W (goal:
+  none; the row shows the server's link as the bottleneck, the ratio growing with W).
 * ``ps_async_vs_sync_straggler``: 3 workers and one server, worker 0 computing ``STRAGGLER_FACTOR`` times slower
   (``--straggler``), synchronous vs asynchronous (and asynchronous with ``--max-staleness 1``), each applying
   ``STEPS`` x 3 gradients. ``ours`` the asynchronous throughput (tokens/s, every worker's gradients together),
@@ -44,22 +44,10 @@ def _wait_s(summary: dict[str, Any]) -> float:
     return statistics.median(m["step_time_s"] - m.get("compute_s", 0.0) for m in rows)
 
 
-def _emulated_ps_wait(n_params: int, workers: int) -> float:
-    from workbench.theory.topology import parse_link
-
-    link = parse_link(SLOW_LINK)
-
-    def message(nbytes: int) -> float:
-        return link.alpha + nbytes / link.bandwidth
-
-    push = message(40) + message(4 * n_params)  # header, then the gradient
-    pull = message(32) + message(4 * n_params)
-    return push + workers * pull
-
-
 def server_link_row(quick: bool) -> dict[str, Any]:
     from workbench.run import run_training
-    from workbench.theory.param_server import ring_allreduce_seconds, step_bytes
+    from workbench.theory.comm import ring_allreduce_time
+    from workbench.theory.param_server import server_link_seconds, step_bytes
     from workbench.theory.topology import parse_link
 
     steps = 5 if quick else 10
@@ -70,13 +58,14 @@ def server_link_row(quick: bool) -> dict[str, Any]:
                           progress=False)
         n = ps["n_params"]
         server = ps["parameter_server"]["per_server"][0]
-        row = {"ps_wait_s": round(_wait_s(ps), 4), "ps_theory_s": round(_emulated_ps_wait(n, w), 4),
+        theory = server_link_seconds([n], w, link.alpha, link.bandwidth, pushes_queue=False)  # the emulator's model
+        row = {"ps_wait_s": round(_wait_s(ps), 4), "ps_theory_s": round(theory, 4),
                "server_bytes_in_per_step": server["bytes_in"] / steps,
                "theory_bytes_in_per_step": step_bytes([n], w)["server_in"][0]}
         if w > 1:
             ddp = run_training(_config(nproc=w, steps=steps, nodes=w, inter_link=SLOW_LINK), progress=False)
             row.update(ddp_wait_s=round(_wait_s(ddp), 4),
-                       ring_theory_s=round(ring_allreduce_seconds(n, w, link.bandwidth / 1e9, link.alpha * 1e6), 4))
+                       ring_theory_s=round(ring_allreduce_time(4 * n, w, link.alpha, link.bandwidth), 4))
         per_w[w] = row
     last = per_w[3]
     return {"benchmark": "ps_server_link_vs_ring", "ours": last["ps_wait_s"], "reference": last["ddp_wait_s"],

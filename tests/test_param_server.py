@@ -48,7 +48,7 @@ from workbench.parallel.param_server import (
     server_ranks,
     shard_parameters,
 )
-from workbench.theory.param_server import ring_allreduce_seconds, server_link_seconds, step_bytes
+from workbench.theory.param_server import server_link_seconds, step_bytes
 
 pytestmark = [pytest.mark.numerics, pytest.mark.timeout(180)]
 
@@ -200,10 +200,12 @@ def test_theory_hand_checked():
     assert step_bytes([10, 6], workers=3) == {"worker_push": 4 * 16 + 2 * 40, "worker_pull": 4 * 16 + 2 * 32,
                                               "server_in": [3 * 80, 3 * 64], "server_out": [3 * 72, 3 * 56]}
     # 1e6 parameters on one server, 4 workers, 1 GB/s, 0 latency: 4 x (8 MB + 72 B) = 0.032000288 s
-    assert server_link_seconds([10**6], 4, 1.0, 0.0) == pytest.approx(4 * (8e6 + 72) / 1e9)
-    # the ring's 2 (N-1)/N x 4P: 6 MB at N = 4, 1 GB/s
-    assert ring_allreduce_seconds(10**6, 4, 1.0, 0.0) == pytest.approx(6e-3)
-    assert ring_allreduce_seconds(10**6, 1, 1.0, 5.0) == 0.0
+    assert server_link_seconds([10**6], 4, 0.0, 1e9) == pytest.approx(4 * (8e6 + 72) / 1e9)
+    # the emulator's model: one push (4 MB + 40 B), then 4 pulls (4 MB + 32 B each) queued at the server
+    emulated = server_link_seconds([10**6], 4, 0.0, 1e9, pushes_queue=False)
+    assert emulated == pytest.approx((4e6 + 40 + 4 * (4e6 + 32)) / 1e9)
+    # every message pays alpha: two per push and two per pull (a header, then the payload)
+    assert server_link_seconds([0], 3, 1e-3, 1e9) == pytest.approx(3 * 4e-3 + 3 * 72 / 1e9)
 
 
 # -- layout and bad input ------------------------------------------------------------------------------------------

@@ -6,13 +6,16 @@ server and direction (fp64 fields: 32 bytes for the pull's [version, norm, loss,
 and sends W (4 n_s + 32) each step: its link carries W
 times its shard, while a ring all-reduce (Patarasuk & Yuan 2009) sends each rank 2 (N−1)/N · 4P, about 8P bytes
 whatever N is. With the α-β model (Hockney 1994) and messages on one link in series, the busiest server's link
-needs about W (α + 4 n_max / β) each way; the ring 2 (N−1) (α + 4P / (N β)).
+needs about W (α + 4 n_max / β) each way (``server_link_seconds``); the ring 2 (N−1) (α + 4P / (N β))
+(``theory.comm.ring_allreduce_time``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from workbench.theory.comm import p2p_time
 
 PULL_HEADER_BYTES, PUSH_HEADER_BYTES = 32, 40
 FP32 = 4
@@ -29,16 +32,13 @@ def step_bytes(shard_numels: Sequence[int], workers: int) -> dict[str, Any]:
             "server_in": [workers * b for b in push], "server_out": [workers * b for b in pull]}
 
 
-def server_link_seconds(shard_numels: Sequence[int], workers: int, gbps: float, latency_us: float) -> float:
-    """α-β time of one step on the busiest server's link, both directions in series (one NIC, W messages each
-    way): W (2α + (push + pull bytes) / β)."""
-    busiest = max(shard_numels)
-    beta = gbps * 1e9
-    return workers * (2 * latency_us * 1e-6 + (2 * FP32 * busiest + PUSH_HEADER_BYTES + PULL_HEADER_BYTES) / beta)
-
-
-def ring_allreduce_seconds(n_params: int, world: int, gbps: float, latency_us: float) -> float:
-    """α-β time of a ring all-reduce of ``n_params`` fp32 values over ``world`` ranks: 2 (N−1) (α + 4P / (N β))."""
-    if world == 1:
-        return 0.0
-    return 2 * (world - 1) * (latency_us * 1e-6 + FP32 * n_params / (world * gbps * 1e9))
+def server_link_seconds(shard_numels: Sequence[int], workers: int, alpha: float, bandwidth: float, *,
+                        pushes_queue: bool = True) -> float:
+    """α-β time (``theory.comm.p2p_time``, α seconds, bandwidth bytes/s) of one step on the busiest server's link,
+    each push and pull a header then a payload. ``pushes_queue``: the W pushes arrive one after another (one NIC
+    receives them) as the W pulls leave: W (push + pull). False: only what a rank *sends* queues on its link, the
+    model of ``workbench.dist.emulation``: the W pushes leave their workers side by side, so push + W pull."""
+    n = max(shard_numels)
+    push = p2p_time(PUSH_HEADER_BYTES, alpha, bandwidth) + p2p_time(FP32 * n, alpha, bandwidth)
+    pull = p2p_time(PULL_HEADER_BYTES, alpha, bandwidth) + p2p_time(FP32 * n, alpha, bandwidth)
+    return workers * (push + pull) if pushes_queue else push + workers * pull
