@@ -9,6 +9,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The CPU suite runs its ranks on the CPU on every machine (a GPU machine too), so its results do not
 # depend on what hardware is there; tests marked `gpu` ask for CUDA explicitly.
 os.environ.setdefault("WORKBENCH_DEVICE", "cpu")
+# Notebooks run with their predictions left None, headless (nbval, papermill) and in the browser test's JupyterLab
+# too, which would otherwise stop at the first one (workbench.theory.calibration.predictions_required).
+os.environ.setdefault("WORKBENCH_PREDICTIONS", "optional")
 
 
 def pytest_configure(config: pytest.Config) -> None:

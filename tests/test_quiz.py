@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import ipywidgets as widgets
 import nbformat
 import pytest
 
-from workbench.widgets.quiz import Choice, Numeric, QuizBook, QuizError, Result, answer_key
+from workbench.widgets.quiz import Choice, Numeric, QuizBook, QuizError, Result, answer_key, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -183,6 +184,9 @@ def test_show_is_plain_text_outside_jupyter():
     (lambda: Numeric("t.n", "?", key=answer_key("t.n", "3"), rel_tol=0.1, why="w"), "not a numeric key"),
     (lambda: Numeric("t.n", "?", key=answer_key("t.n", 3.0), rel_tol=0.1, abs_tol=1, why="w"), "exactly one"),
     (lambda: Numeric("t.n", "?", key=answer_key("t.n", 3.0), rel_tol=0.1), "needs `why`"),
+    (lambda: Choice("t.c", "?", {"a": "Right: it sums", "b": "y"}, key=answer_key("t.c", "a")), "verdict"),
+    (lambda: Choice("t.c", "?", {"a": "x", "b": "No, it copies"}, key=answer_key("t.c", "a")), r"'No,'"),
+    (lambda: Numeric("t.n", "?", key=answer_key("t.n", 3.0), rel_tol=0.1, why="Correct: 3"), "verdict"),
     (lambda: QuizBook("t").add(_choice(), _choice()), r"\['t.c'\] used twice"),
     (lambda: QuizBook("t").add(_choice()).add(_choice(correct="broadcast")), "used twice"),
     (lambda: QuizBook("t").add(_choice()).answer("t.x", "a"), "no question 't.x'"),
@@ -191,6 +195,20 @@ def test_show_is_plain_text_outside_jupyter():
 def test_bad_definitions_and_answers_raise_clearly(build, message):
     with pytest.raises(QuizError, match=message):
         build()
+
+
+@pytest.mark.parametrize(("feedback", "found"), [
+    ("Right: each backward starts as soon as its gradient can arrive", "Right:"),
+    ("No: top-k's message is biased at every step", "No:"), ("Correct. The ring sends 2(N−1) chunks", "Correct."),
+    ("Yes because the ring is bandwidth-optimal", "Yes"), ("Not quite: the tree wins for small tensors", "Not quite:"),
+    ("Wrong — that is the dp group", "Wrong —"), ("That's right: one chunk per rank", "That's right"),
+    ("Exactly. Stage 3 shards all three", "Exactly."), ("Incorrect, since the bubble grows", "Incorrect,"),
+    ("No rank ever gathers all keys", None), ("No ZeRO stage shards activations", None),
+    ("Correct gradients need every micro-batch", None), ("Exactly one rank holds the sum", None),
+    ("That is where lab 02's schedule ends", None), ("True division keeps fp32", None),
+])
+def test_a_verdict_is_found_only_at_the_start(feedback: str, found: str | None):
+    assert verdict(feedback) == found
 
 
 def test_rerunning_a_cell_readds_the_same_question():
@@ -212,6 +230,18 @@ def _book(path: Path) -> QuizBook:
     with contextlib.redirect_stdout(io.StringIO()):
         exec(cell.source, namespace)
     return namespace["QUIZ"]
+
+
+def _feedback(q: Choice | Numeric) -> list[str]:
+    return list(q.options.values()) if isinstance(q, Choice) else [q.why]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + LABS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_feedback_explains_without_a_verdict(path: Path):
+    """The grade says right or not quite; the feedback says why (Choice and Numeric refuse one at construction)."""
+    for qid, q in _book(path).questions.items():
+        for text in _feedback(q):
+            assert verdict(text) is None, (path.name, qid, text[:60])
 
 
 def _full_answer(book: QuizBook, qid: str) -> str | float:
@@ -258,6 +288,11 @@ def test_no_answer_key_in_the_notebook_json(path: Path):
             for shown in {f"{float(ANSWERS[qid]):g}", f"{float(ANSWERS[qid]):.3g}"}:
                 unit = "" if len(re.sub(r"\D", "", shown)) > 1 else rf"\s*{re.escape(q.unit)}"  # a bare "1" is no leak
                 assert not re.search(rf"(?<![\w.,]){re.escape(shown)}{unit}(?![\w,]|\.\d)", source), (qid, shown)
+            power = math.log2(abs(float(ANSWERS[qid]))) if float(ANSWERS[qid]) else 0.5
+            if power == int(power) and abs(power) > 2:  # "2^17", "2**17", "2¹⁷": the answer written as a power of 2
+                sup = str(int(power)).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
+                for shown in (f"2^{int(power)}", f"2**{int(power)}", f"2{sup}"):
+                    assert not re.search(rf"(?<![\w.]){re.escape(shown)}(?![\d⁰¹²³⁴⁵⁶⁷⁸⁹])", source), (qid, shown)
     outputs = json.dumps([c.get("outputs", []) for c in nbformat.read(path, as_version=4).cells])
     for q in book.questions.values():
         for feedback in (q.options.values() if isinstance(q, Choice) else [q.why]):

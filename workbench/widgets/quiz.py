@@ -19,8 +19,10 @@ Answer keys: the notebook never holds an answer. A choice's ``key`` is ``answer_
 first 20 hex digits of sha256("<salt>:<id>:<option>"); a numeric ``key`` is the value sealed with a pad derived
 from the id (``answer_key(id, 1750.0)``). Authors compute a key once and paste it. This hides answers from
 reading, not from a learner determined to try every option through ``answer``; the answers themselves are kept
-with the tests. Feedback is required for every option (so a missing one does not give the key away) and should
-explain without a verdict: "Right" / "Not quite" comes from the key.
+with the tests. Feedback is required for every option (so a missing one does not give the key away) and
+explains without a verdict: "Right" / "Not quite" comes from the key, so no option's feedback (and no numeric
+``why``) may begin with one ("Right:", "Correct.", "No,", "Yes", "Not quite", ...); building such a question raises
+``QuizError``. A numeric ``why`` shows the way to the answer, not the answer: it is read after a wrong try too.
 
 Options are shuffled per learner: ``seed`` (a number or a learner id; by default ``$WORKBENCH_LEARNER`` or the
 login name) fixes the order, so the same seed always gives the same quiz and papermill runs are reproducible.
@@ -85,6 +87,34 @@ def _unseal(question_id: str, key: str) -> float:
     return struct.unpack(">d", raw)[0]
 
 
+# A verdict word or phrase at the start of a feedback text: "Right: ...", "No, ...", "Yes ...", "That's correct".
+# "No rank ever gathers ..." or "Correct gradients need ..." are sentences, not verdicts: the words that also
+# start ordinary sentences count only when punctuation follows them.
+_VERDICT = re.compile(
+    r"^\W*(?:(?:right|correct|wrong|incorrect|true|false|exactly|indeed|precisely|close|almost|no|nope|yes|yep|"
+    r"good|great|nice|well done|spot on|not quite|not really|partly|partially)\s*[:,.;!?—–-]"
+    r"|(?:yes|yep|yeah|nope|not quite|well done|spot on)\b"
+    r"|(?:that'?s|that is|this is|you'?re|you are) (?:right|correct|wrong|incorrect|it)\b)",
+    re.IGNORECASE)
+
+
+def verdict(feedback: str) -> str | None:
+    """The verdict a feedback text begins with ("Right:", "No,", ...), or None: feedback explains, the key judges.
+
+    >>> verdict("Right: each backward starts early"), verdict("No rank ever gathers all keys")
+    ('Right:', None)
+    """
+    match = _VERDICT.match(feedback)
+    return match.group(0).strip() if match else None
+
+
+def _check_feedback(question_id: str, what: str, feedback: str) -> None:
+    found = verdict(feedback)
+    if found:
+        raise QuizError(f"question {question_id!r}: the feedback for {what} begins with a verdict ({found!r}); the "
+                        f"grade already says right or not quite, so explain the reasoning instead")
+
+
 def _check_id(question_id: str) -> None:
     if not _ID.match(question_id):
         raise QuizError(f"question id {question_id!r}: use letters, digits, '.', '-' or '_' (e.g. 'nb02.ring-bytes')")
@@ -119,6 +149,8 @@ class Choice:
         bare = [o for o, why in self.options.items() if not o.strip() or not why.strip()]
         if bare:
             raise QuizError(f"question {self.id!r}: every option needs text and feedback; missing for {bare}")
+        for option, why in self.options.items():
+            _check_feedback(self.id, f"option {option!r}", why)
         matches = sum(_choice_hash(self.id, o) == self.key for o in self.options)
         if matches != 1:
             how = "none" if matches == 0 else f"{matches} (options equal but for spaces)"
@@ -156,6 +188,7 @@ class Numeric:
             raise QuizError(f"question {self.id!r}: give exactly one tolerance, rel_tol or abs_tol, ≥ 0")
         if not self.why.strip():
             raise QuizError(f"question {self.id!r}: a numeric question needs `why`, the way to the answer")
+        _check_feedback(self.id, "`why`", self.why)
         _unseal(self.id, self.key)
 
     @property
