@@ -1,7 +1,7 @@
 """``workbench`` command line: ``run`` parses its flags into a ``RunConfig`` and hands it to ``workbench.run``,
 which trains on N ranks (gloo on the CPU, or NCCL with one GPU per rank) and writes a summary and a report;
 ``env`` says what this machine offers a run; ``calc`` prints the per-rank memory of a training configuration;
-``bench`` runs the benchmarks."""
+``bench`` runs the benchmarks; ``ckpt`` lists, verifies and exports a run's checkpoints."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 from workbench.dist.launch import VALID_BACKENDS, VALID_DEVICES
 from workbench.parallel import DDP_KINDS, ZERO_STAGES
 from workbench.parallel.recompute import RECOMPUTE_MODES as RUN_RECOMPUTE_MODES
-from workbench.run import comm_group_labels, run_training, summarize, write_outputs
+from workbench.run import PREEMPTED_EXIT_CODE, comm_group_labels, run_training, summarize, write_outputs
 from workbench.theory.compression import COMPRESSIONS
 from workbench.theory.pipeline import SCHEDULES
 
@@ -67,7 +67,12 @@ def _strategy_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _run_parser(sub: Any) -> None:
-    p = sub.add_parser("run", help="train the tiny GPT on N ranks; write summary.json and report.html")
+    p = sub.add_parser("run", help="train the tiny GPT on N ranks; write summary.json and report.html",
+                       epilog=f"SIGTERM or SIGINT (Ctrl-C) preempts the run: every rank finishes its step, a "
+                              f"checkpoint is saved there (with --ckpt-dir), summary.json and report.html say "
+                              f"'preempted' and the exit status is {PREEMPTED_EXIT_CODE} (rerun with --resume to "
+                              f"go on); a second signal stops at once (exit 128 + the signal's number). See "
+                              f"docs/preemption.md.")
     _strategy_flags(p)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
@@ -211,6 +216,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     if lead:
         _print_summary(summary, args.out)
+    if summary.get("preempted"):  # stopped by SIGTERM/SIGINT at a step boundary, checkpointed: rerun with --resume
+        return PREEMPTED_EXIT_CODE
     return 0
 
 
@@ -612,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="what this machine offers a run: torch, backends, GPUs, cores, sensible --nproc")
     env.add_argument("--json", action="store_true", help="print the facts as JSON")
     _labs_parser(sub)
+    _ckpt_parser(sub)
     _report_parser(sub)
     return parser
 
@@ -648,6 +656,91 @@ def _labs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _step_arg(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step: give an int >= 0 "
+                                         f"(`workbench ckpt ls DIR` lists them)")
+    return step
+
+
+def _ckpt_parser(sub: Any) -> None:
+    ckpt = sub.add_parser("ckpt", help="list a run's checkpoints, verify that they restore, export a full model")
+    verbs = ckpt.add_subparsers(dest="verb", required=True)
+    ls = verbs.add_parser("ls", help="each checkpoint's step, layout, size and status (exit 1: one is not good)")
+    ls.add_argument("dir", help="the run's checkpoint directory (its --ckpt-dir)")
+    verify = verbs.add_parser("verify", help="check every checksum and load every shard on the CPU against the "
+                                             "model (exit 0: all restore)")
+    verify.add_argument("dir", help="the run's checkpoint directory (its --ckpt-dir)")
+    verify.add_argument("--step", type=_step_arg, help="verify this step's checkpoint only (default: every one)")
+    export = verbs.add_parser("export", help="write one full (unsharded) model state dict, for torch.load and the "
+                                             "model's load_state_dict")
+    export.add_argument("dir", help="the run's checkpoint directory (its --ckpt-dir)")
+    export.add_argument("--out", required=True, help="the .pt file to write")
+    export.add_argument("--step", type=_step_arg, help="export this step (default: the newest good checkpoint)")
+
+
+def _ckpt_model(run_config: dict[str, Any]) -> Any:
+    """The unwrapped model a checkpoint's run config names, on the CPU: only the fields ``gpt_config`` and
+    ``build_gpt`` read, so a config saved for another machine (its device, export path...) is not re-validated."""
+    from workbench.models import build_gpt
+    from workbench.training.config import RunConfig
+
+    model_fields = ("model", "seq_len", "seed", "moe_experts", "moe_top_k", "moe_capacity_factor",
+                    "moe_aux_loss_coef")
+    cfg = RunConfig(**{k: run_config[k] for k in model_fields if k in run_config}, nproc=1, device="cpu")
+    return build_gpt(cfg.gpt_config(), seed=cfg.seed, device="cpu")
+
+
+def _ckpt_consolidate(folder: Path) -> None:
+    """Gather a sharded checkpoint into ``FULL_STATE`` beside its shards, as a resharded resume gathers it."""
+    from workbench.training.trainer import consolidate_checkpoint
+
+    consolidate_checkpoint(folder)
+
+
+def _ckpt(args: argparse.Namespace) -> int:
+    """Exit 0: all good; 1: a checkpoint is corrupt, incomplete or does not restore; 2: DIR or --step is wrong."""
+    from workbench.checkpoint import inspect as ckpt
+    from workbench.checkpoint.store import CheckpointError
+
+    try:
+        if args.verb == "ls":
+            infos = ckpt.list_checkpoints(args.dir)
+            print(ckpt.format_listing(infos))
+            return 0 if all(i.status == ckpt.GOOD for i in infos) else 1
+        if args.verb == "verify":
+            return _ckpt_verify_report(ckpt.verify_checkpoints(args.dir, args.step, _ckpt_model))
+        folder = ckpt.select(args.dir, args.step)
+        out = ckpt.export_model(folder, args.out, _ckpt_model, _ckpt_consolidate)
+        print(f"exported {folder} to {out}: a full model state dict (torch.load(weights_only=True), "
+              f"then model.load_state_dict)")
+        return 0
+    except ValueError as exc:
+        print(f"workbench ckpt {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except (CheckpointError, RuntimeError, OSError) as exc:  # RankError too: a shard the gather could not load
+        print(f"workbench ckpt {args.verb}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _ckpt_verify_report(results: dict[Path, list[str]]) -> int:
+    for folder, problems in results.items():
+        print(f"{'OK  ' if not problems else 'FAIL'} {folder}")
+        for problem in problems:
+            print(f"     {problem}")
+    bad = [folder.name for folder, problems in results.items() if problems]
+    if bad:
+        print(f"workbench ckpt verify: {len(bad)} of {len(results)} checkpoint(s) failed: {', '.join(bad)}",
+              file=sys.stderr)
+        return 1
+    print(f"all {len(results)} checkpoint(s) verify and load")
+    return 0
+
+
 def _report_parser(sub: Any) -> None:
     p = sub.add_parser("report", help="compare runs side by side in one offline page (loss, speed, memory, bytes)",
                        description="One self-contained HTML page comparing the runs that `workbench run --out DIR` "
@@ -681,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(parser, args)
     if args.command == "labs":
         return _labs(parser, args)
+    if args.command == "ckpt":
+        return _ckpt(args)
     if args.command == "report":
         return _report(parser, args)
     elif args.command == "env":

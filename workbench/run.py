@@ -5,6 +5,13 @@ shape) and writes ``summary.json``, ``traces.json`` and ``report.html``. ``live=
 ``widgets.dashboard.Dashboard``, which only draws what the ranks stream: this module owns the run, its
 thread and its Stop file (``LiveRun``).
 
+Preemption (docs/preemption.md): while ``run_training`` runs in the main thread, the first SIGTERM or SIGINT (what
+Slurm and Kubernetes send before they kill a job, or Ctrl-C) creates the same Stop file the dashboard's button
+does: every rank finishes its step, they agree on the step to stop at, a checkpoint is saved there (with
+``ckpt_dir``), and summary.json and report.html are written with ``"preempted": {"step": N, "signal": ...}``;
+``workbench run`` then exits with ``PREEMPTED_EXIT_CODE``. A second signal tears the ranks down at once
+(``KeyboardInterrupt`` for SIGINT, ``SystemExit(128 + signum)`` for SIGTERM).
+
 ``workbench.cli`` parses flags into a ``RunConfig`` and calls ``run_training``; it re-exports the names that
 lived there before (``workbench.cli.run_training``, ``summarize``, ``write_outputs``, ``comm_group_labels``).
 """
@@ -12,19 +19,28 @@ lived there before (``workbench.cli.run_training``, ``summarize``, ``write_outpu
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+#: ``workbench run``'s exit status after a graceful preemption: sysexits.h's EX_TEMPFAIL ("a temporary failure; the
+#: user is invited to retry"): the checkpoint of the stop step is good, rerun with --resume. Not 128 + signum, which a
+#: shell also reports for a process the signal killed (nothing saved); a second signal exits with that instead.
+PREEMPTED_EXIT_CODE = 75
+#: The signals that preempt a run: SIGTERM (Slurm, Kubernetes, docker stop) and SIGINT (Ctrl-C).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 if TYPE_CHECKING:  # the dashboard (ipywidgets, plotly) is imported only by a live run: the CLI starts without it
     from workbench.dist.emulation import LinkEmulation
@@ -39,7 +55,8 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
     ``on_metrics(rank, metrics)`` is called in this process after every step of every rank (the step's metrics,
     that rank's ledger peaks and the bytes each collective moved: ``train._streamed``). ``live=True`` shows a
     dashboard that updates while the ranks train, with a Stop button (``run_live``, which says
-    what it returns); headless it draws the same figures once at the end.
+    what it returns); headless it draws the same figures once at the end. In the main thread SIGTERM and SIGINT
+    preempt the run (``preemptible``): the summary then says ``"preempted"``.
     """
     if live:
         return run_live(cfg, out)
@@ -66,15 +83,25 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
     if cfg.resume and lead:
         prepare_resume(cfg)
     links = cfg.link_emulation()
-    try:
-        if cfg.netns:
-            results = _run_on_shaped_link(cfg)
-        else:
-            results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report,
-                             device=cfg.device, backend=cfg.backend, port=cfg.port, max_restarts=cfg.max_restarts,
-                             straggler=cfg.straggler, **_link_keywords(links))
-    finally:
-        bar.close()
+    with preemptible(cfg) as (cfg, preemption):
+        try:
+            if cfg.netns:
+                results = _run_on_shaped_link(cfg)
+            else:
+                results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report,
+                                 device=cfg.device, backend=cfg.backend, port=cfg.port,
+                                 max_restarts=cfg.max_restarts, straggler=cfg.straggler, **_link_keywords(links))
+        finally:
+            bar.close()
+        summary = _summary(cfg, results, streamed, links, preemption)
+        if out is not None and lead:  # a first signal now changes nothing; a second still stops the writing
+            write_outputs(Path(out), summary, results.traces)
+    return summary
+
+
+def _summary(cfg: RunConfig, results: Any, streamed: list[dict[str, Any]], links: LinkEmulation | None,
+             preemption: Preemption | None) -> dict[str, Any]:
+    """summary.json's content for the ranks' ``results``, with what this run added on top of ``summarize``."""
     summary = summarize(cfg, results[0], results.traces)
     if cfg.ps_servers is not None:
         from workbench.training.param_server_run import ps_summary
@@ -86,9 +113,63 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
         summary["links"] = _netns_summary(cfg)
     if results.restarts:
         summary["restarts"] = _restart_log(results.restarts, streamed, summary)
-    if out is not None and lead:
-        write_outputs(Path(out), summary, results.traces)
+    if preemption is not None and (preempted := preemption.outcome(summary["stopped_after_step"])):
+        summary["preempted"] = preempted
     return summary
+
+
+class Preemption:
+    """The signals a run caught (``preemptible``): the first creates ``stop_file`` (every rank then stops after its
+    step: ``train.StopSignal``), the second stops the run at once by raising in the main thread, which tears the
+    ranks down as any error does (``launch``: SIGTERM, then SIGKILL after a grace period)."""
+
+    def __init__(self, stop_file: Path) -> None:
+        self.stop_file = stop_file
+        self.signal: str | None = None  # the first signal's name, once one came
+
+    def handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is None:
+            self.signal = name
+            self.stop_file.touch()
+            print(f"workbench: {name}: every rank stops after its current step (saving a checkpoint there with "
+                  f"--ckpt-dir); send it again to stop at once", file=sys.stderr, flush=True)
+            return
+        print(f"workbench: {name} again: stopping the ranks now (nothing more is saved)", file=sys.stderr, flush=True)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def outcome(self, stopped_after_step: int | None) -> dict[str, Any] | None:
+        """summary.json's ``preempted``, or None: no signal came, or it came too late to stop anything (the ranks
+        had trained every step, or run a loop that does not look for the stop file: a parameter server's)."""
+        if self.signal is None or stopped_after_step is None:
+            return None
+        return {"step": stopped_after_step, "signal": self.signal, "exit_code": PREEMPTED_EXIT_CODE}
+
+
+@contextlib.contextmanager
+def preemptible(cfg: RunConfig) -> Iterator[tuple[RunConfig, Preemption | None]]:
+    """While in the block, SIGTERM and SIGINT preempt the run (``Preemption``). Yields the config the ranks must
+    get (with a stop file in ``extra``: the live run's own, or a temporary one) and the ``Preemption``; None, and
+    ``cfg`` as it is, outside the main thread, where Python cannot catch a signal (a live run's thread: its Stop
+    button is the way there). The previous handlers are put back on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield cfg, None
+        return
+    own_dir = None
+    if cfg.extra.get("stop_file") is None:
+        own_dir = Path(tempfile.mkdtemp(prefix="workbench-stop-"))
+        cfg = dataclasses.replace(cfg, extra={**cfg.extra, "stop_file": str(own_dir / "stop")})
+    preemption = Preemption(Path(cfg.extra["stop_file"]))
+    previous = {signum: signal.signal(signum, preemption.handle) for signum in PREEMPT_SIGNALS}
+    try:
+        yield cfg, preemption
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def _run_on_shaped_link(cfg: RunConfig) -> Any:

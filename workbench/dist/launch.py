@@ -14,6 +14,9 @@ How it stays fast, safe and hang-free:
 * Every process group has ``timeout``: a collective that one rank never joins raises on the ranks that
   did. A rank that raises or dies makes the caller stop all others at once and raise ``RankError``;
   ranks exit on their own if the caller dies. No orphan processes in any of these cases.
+* Each rank runs in a process group of its own, so a signal for the whole job (Ctrl-C in a terminal reaches the
+  foreground group) reaches the caller alone, which decides: ``workbench.run`` stops the ranks at a step
+  boundary on the first SIGTERM/SIGINT and tears them down on the second.
 * Each rank's stdout/stderr (C++ included: fds 1 and 2 are redirected) is relayed to the caller's
   ``sys.stdout``/``sys.stderr`` line by line, prefixed ``[rank r]``, so it appears in the notebook cell.
 
@@ -560,6 +563,10 @@ def _rank_main(rank: int, world_size: int, port: int, placement: Placement, time
     pumps = _redirect_output(rank, messages)
     _Reporter.send = (lambda obj: messages.put(("report", rank, obj))) if listens else None
     exit_when_parent_dies(parent_pid)
+    # Out of the caller's process group: a rank that got Ctrl-C's SIGINT itself would die mid-step (or mid-write
+    # of a checkpoint) while the caller asks all ranks to stop together after it (workbench.run's preemption).
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     set_rank_env(rank, world_size, port)
     os.environ[TIMEOUT_ENV] = str(timeout)
     os.environ[RESTART_ENV[0]] = str(attempt)

@@ -52,14 +52,23 @@ def prepare_resharded_resume(cfg: RunConfig) -> str | None:
     if not changes:
         return None
     if not (path / FULL_STATE).is_file():
-        from workbench.dist.launch import launch
-
-        keep = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
-        source = RunConfig(**{**keep, "device": "cpu", "backend": None, "port": 0, "ckpt_dir": None,
-                              "ckpt_every": None, "keep": None, "resume": False, "async_ckpt": False, "export": None,
-                              "max_restarts": 0, "inject_fault": None, "extra": {}})
-        launch(_consolidate_rank, source.nproc, source, str(path), device="cpu", timeout=source.timeout)
+        consolidate_checkpoint(path)
     return f"resharding {path.name} ({'; '.join(changes)})"
+
+
+def consolidate_checkpoint(path: str | Path) -> Path:
+    """Gather the checkpoint at ``path`` (a ``step-*`` folder) into full tensors on CPU ranks of its saved layout and
+    write them beside its shards (``FULL_STATE``, atomically); returns that file. ``workbench ckpt export`` and a
+    resharded resume both call it."""
+    from workbench.dist.launch import launch
+
+    saved = read_manifest(path)["meta"]["run_config"]
+    keep = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
+    source = RunConfig(**{**keep, "device": "cpu", "backend": None, "port": 0, "ckpt_dir": None,
+                          "ckpt_every": None, "keep": None, "resume": False, "async_ckpt": False, "export": None,
+                          "max_restarts": 0, "inject_fault": None, "extra": {}})
+    launch(_consolidate_rank, source.nproc, source, str(path), device="cpu", timeout=source.timeout)
+    return Path(path) / FULL_STATE
 
 
 def _consolidate_rank(cfg: RunConfig, path: str) -> None:
@@ -290,7 +299,8 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
                 continue
         if trainer.checkpoint_due():
             written.append(trainer.save_checkpoint())
-        if stop.requested():
+        # not after the last step: that run is finished, not preempted (a requeued job would find nothing to train)
+        if trainer.step_index < cfg.steps and stop.requested():
             stopped_after = metrics["step"]
             if cfg.ckpt_dir is not None and written[-1:] != [stopped_after]:
                 written.append(trainer.save_checkpoint())  # what was trained is kept: a later --resume goes on
@@ -317,9 +327,11 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
 
 
 class StopSignal:
-    """A Stop button's request, seen by every rank at the same step: rank 0 looks for ``stop_file`` after each
-    step and a MAX all-reduce of one flag tells the others, so all ranks leave the loop together (a rank leaving
-    alone would leave its peers waiting in the next collective). Without a file (no live dashboard): no-op."""
+    """A request to stop, seen by every rank at the same step: the live dashboard's Stop button, or SIGTERM/SIGINT
+    caught by ``workbench.run`` (a preemption), both of which create ``stop_file``. Every rank looks for it after
+    each step and a MAX all-reduce of one flag tells the others, so all ranks leave the loop together (a rank
+    leaving alone would leave its peers waiting in the next collective). Every rank looks, not only rank 0: under
+    torchrun each process catches its own signal and has a stop file of its own. Without a file: no-op."""
 
     def __init__(self, stop_file: str | None, device: torch.device) -> None:
         self.stop_file, self.device = stop_file, device
@@ -327,10 +339,11 @@ class StopSignal:
     def requested(self) -> bool:
         if self.stop_file is None:
             return False
-        flag = torch.tensor([1.0 if comm.group_rank() == 0 and Path(self.stop_file).exists() else 0.0],
-                            device=self.device)
-        if comm.is_distributed():
-            comm.all_reduce(flag, op="max", tag="control")
+        flag = torch.tensor([1.0 if Path(self.stop_file).exists() else 0.0], device=self.device)
+        if comm.group_size() > 1:
+            # torch.distributed itself, not ``comm``: this control byte runs after every step of every run, and
+            # through ``comm`` it would land in the traffic a report sets beside theory and pay emulated link time.
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
 

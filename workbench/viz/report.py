@@ -237,6 +237,11 @@ def checkpoint_sentences(summary: dict[str, Any]) -> list[str]:
                      f"</code> (diamonds on the loss curve)"
                      + (f"; the run resumed from the checkpoint of step {ckpt['resumed_from_step']}"
                         if ckpt.get("resumed_from_step") is not None else "") + ".</p>")
+    if preempted := summary.get("preempted"):
+        parts.append(f"<p><b>preempted</b> by {html.escape(str(preempted.get('signal')))} after step "
+                     f"{preempted.get('step')}: every rank stopped there"
+                     + (" and saved a checkpoint; rerun with --resume to go on" if ckpt.get("dir") else "")
+                     + ".</p>")
     restarts = summary.get("restarts") or []
     if restarts:
         rows = [{"attempt": r.get("attempt"), "at step": _restart_step(r), "rank": r.get("rank", ""),
