@@ -27,12 +27,15 @@ from workbench.models.moe import (
     capacity_plan,
     is_expert_param,
     load_balancing_loss,
+    run_experts,
     take_moe_stats,
 )
 from workbench.theory.expert import (
     all_to_all_bytes,
+    all_to_all_vs_compute,
     check_ep,
     dropped_assignments,
+    expected_dropped_fraction,
     expert_capacity,
     expert_data_groups,
     expert_memory_per_rank,
@@ -236,6 +239,61 @@ def test_theory_hand_checked():
                    "total": 16 * per_expert + 1024, "experts_unsplit": 32 * per_expert}
     cfg = replace(SMALL, moe_experts=4)
     assert cfg.num_params() - SMALL.num_params() == 2 * (3 * per_expert + 32 * 4)
+
+
+def test_expected_drops_by_hand_and_against_sampling():
+    # 4 tokens, 2 experts, top-1, C = 1: capacity 2, one expert's count X ~ Binomial(4, 1/2) drops X - 2 when
+    # above: E = 1·P(3) + 2·P(4) = 4/16 + 2/16; two experts, 4 assignments
+    assert expected_dropped_fraction(4, 2, 1, 1.0) == pytest.approx(2 * (6 / 16) / 4, rel=1e-12)
+    assert expected_dropped_fraction(4, 2, 2, 0.5) == 0.5  # k = E: every expert gets every token, keeps 2 of 4
+    assert expected_dropped_fraction(512, 8, 2, None) == 0.0 and expected_dropped_fraction(512, 8, 2, 8.0) == 0.0
+    # sampled: uniformly random distinct top-2 of 8 for 512 tokens, 200 calls; the mean's standard error is ~0.1 points
+    g = torch.Generator(device="cpu").manual_seed(0)
+    capacity = expert_capacity(512, 8, 2, 1.0)
+    drops = [dropped_assignments(torch.bincount(torch.rand(512, 8, generator=g, device="cpu").topk(2, -1).indices
+                                                .reshape(-1), minlength=8).tolist(), capacity) / 1024
+             for _ in range(200)]
+    assert sum(drops) / len(drops) == pytest.approx(expected_dropped_fraction(512, 8, 2, 1.0), abs=0.004)
+
+
+def test_all_to_all_vs_compute():
+    r = all_to_all_vs_compute(4096, 4096, 14336, 8, 2, 8, bandwidth=50e9, flops=400e12)
+    assert r["dispatch_bytes"] == all_to_all_bytes(4096, 4096, 2, 8, 8, 2)["dispatch"]
+    assert r["compute_s"] == pytest.approx(4096 * 2 * 6 * 4096 * 14336 / 400e12)
+    assert r["transfer_s"] == pytest.approx(2 * r["dispatch_bytes"] / 50e9)
+    # with no latency the ratio is m·h·B / ((ep - 1)/ep · F · bytes): no tokens, no d
+    assert r["compute_over_transfer"] == pytest.approx(3 * 14336 * 50e9 / (7 / 8 * 400e12 * 2))
+    other = all_to_all_vs_compute(512, 1024, 14336, 8, 2, 8, bandwidth=50e9, flops=400e12)
+    assert other["compute_over_transfer"] == pytest.approx(r["compute_over_transfer"])
+    assert all_to_all_vs_compute(64, 64, 256, 8, 2, 1, 50e9, 1e12)["compute_over_transfer"] == math.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_rows_travel_and_return_in_16_bit(dtype):
+    """Rows cast to autocast's dtype before they go to the experts (as their first matmul would), the output in
+    that dtype as a dense MLP's is; tokens routed alike agree with fp32 to 16-bit rounding."""
+    torch.manual_seed(0)
+    layer = MoEMLP(32, 64, MoEConfig(4, 2, None))
+    x = torch.randn(2, 8, 32, device="cpu")
+    want = layer(x)
+    seen = []
+
+    def runner(rows, counts, experts):
+        seen.append(rows.dtype)
+        return run_experts(rows, counts.tolist(), experts)
+    layer.run_experts = runner
+    with torch.autocast("cpu", dtype=dtype):
+        got = layer(x)
+        routed_16 = layer.router(x.reshape(16, 32)).experts
+    routed_32 = layer.router(x.reshape(16, 32)).experts
+    assert seen == [dtype] and got.dtype == dtype
+    alike = (routed_16.sort(-1).values == routed_32.sort(-1).values).all(-1).view(2, 8)
+    assert alike.sum() >= 12  # a near tie may flip a token's experts in 16 bits; most stay
+    # 16-bit matmuls of width 32/64 and a weighted sum: errors of a few eps(16-bit) x the output's scale
+    eps = torch.finfo(dtype).eps
+    assert (got.float() - want).abs()[alike].max() <= 16 * eps * want.abs().max()
+    got.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------

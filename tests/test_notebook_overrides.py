@@ -37,6 +37,7 @@ OVERRIDES: dict[str, dict] = {
     "12": {"SIZES": [2 ** 14, 2 ** 22], "REPS": 2, "STEPS": 3, "SCALING_WORLDS": [1, 4]},
     "13": {"STEPS": 4, "PS_WORKERS": [1, 2], "PS_STEPS": 3, "STRAGGLER_STEPS": 4, "LOCAL_STEPS": [1, 2]},
     "14": {"WORLD": 2, "SEQ_LEN": 64, "BALANCE_SEQ_LEN": 256, "REPS": 2, "STEPS": 3},
+    "15": {"WORLD": 2, "ROUTE_CALLS": 20, "STEPS": 3, "TRAIN_BATCH": 4},
 }
 
 

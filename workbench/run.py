@@ -377,10 +377,12 @@ def moe_summary(cfg: RunConfig, rank0: dict[str, Any], traces: list[Any]) -> dic
 def _all_to_all_bytes(cfg: RunConfig, traces: list[Any], by_rank: list[dict[int, Any]]) -> list[dict[str, Any]]:
     """Rank 0's all-to-all bytes sent per traced step (every MoE layer, forward and backward): the comm log's, the
     exact theory for the counts routed (each call's rows to and from the ranks of rank 0's ep group) and the
-    theory for even routing, rows in fp32 (``theory.expert``)."""
+    theory for even routing (``theory.expert``), rows in the compute dtype: under bf16/fp16 autocast they travel
+    in 16 bits (``models.moe``)."""
     from workbench.theory.expert import all_to_all_bytes, measured_all_to_all_bytes, rows_to_ranks
 
     d, experts, ep = cfg.gpt_config().d_model, cfg.moe_experts, cfg.ep
+    value = 4 if cfg.precision == "fp32" else 2
     per_expert = experts // ep
     rows = []
     for step in sorted({c.step for c in traces[0].comms if c.tag in EP_TAGS and c.step is not None}):
@@ -389,8 +391,9 @@ def _all_to_all_bytes(cfg: RunConfig, traces: list[Any], by_rank: list[dict[int,
         exact = even = 0.0
         for i, call in enumerate(calls[0]):
             rows_from = [sum(calls[src][i]["kept"][:per_expert]) for src in range(ep)]
-            exact += measured_all_to_all_bytes(rows_to_ranks(call["kept"], ep), rows_from, 0, d, experts)["total"]
-            even += all_to_all_bytes(call["tokens"], d, cfg.moe_top_k, experts, ep)["total"]
+            exact += measured_all_to_all_bytes(rows_to_ranks(call["kept"], ep), rows_from, 0, d, experts,
+                                               value)["total"]
+            even += all_to_all_bytes(call["tokens"], d, cfg.moe_top_k, experts, ep, value)["total"]
         rows.append({"step": step, "measured_bytes": measured, "theory_exact_bytes": exact,
                      "theory_even_bytes": even})
     return rows

@@ -111,17 +111,17 @@ def capacity_plan(experts: torch.Tensor, weights: torch.Tensor, n_experts: int,
     flat = experts.reshape(-1)
     onehot = F.one_hot(flat, n_experts)  # [N·k, E]
     chosen = onehot.sum(0)
-    keep = None
+    keep, counts = None, chosen  # counts from the one-hot, not bincount: on CUDA bincount waits for the GPU
     if capacity is not None:
         rank_in_expert = (onehot.cumsum(0) * onehot).sum(-1) - 1  # 0 for an expert's first assignment
         keep = rank_in_expert < capacity
+        counts = (onehot * keep[:, None]).sum(0)
         flat = flat[keep]
     order = torch.argsort(flat, stable=True)  # expert-major; (token, choice) order within an expert
     token = torch.arange(n, device=experts.device).repeat_interleave(k)
     weight = weights.reshape(-1)
     if keep is not None:
         token, weight = token[keep], weight[keep]
-    counts = torch.bincount(flat, minlength=n_experts)
     return DispatchPlan(token[order], weight[order], counts, chosen, capacity)
 
 
@@ -178,9 +178,13 @@ def take_moe_stats() -> dict:
     (chosen) and ``kept_per_expert`` summed over calls; ``dropped`` the assignments dropped, summed."""
     global _RECORDS
     records, _RECORDS = list(_RECORDS), deque(maxlen=MAX_RECORDED_CALLS)
-    calls = []
-    for chosen, kept, tokens, capacity in records:
-        chosen_l, kept_l = chosen.tolist(), kept.tolist()
+    # One copy to the host for every call's counts (one wait for a GPU, not two per layer and micro-batch).
+    # Layers of other models may have recorded other E, so the counts travel flat, cut per call on the host.
+    flat = torch.cat([t for c, k, _, _ in records for t in (c, k)]).tolist() if records else []
+    calls, at = [], 0
+    for chosen, _, tokens, capacity in records:
+        e = chosen.numel()
+        chosen_l, kept_l, at = flat[at:at + e], flat[at + e:at + 2 * e], at + 2 * e
         calls.append({"tokens": tokens, "capacity": capacity, "chosen": chosen_l, "kept": kept_l,
                       "dropped": sum(chosen_l) - sum(kept_l)})
     width = len(calls[0]["chosen"]) if calls else 0
@@ -216,13 +220,24 @@ class MoEMLP(nn.Module):
         capacity = expert_capacity(b * t, self.cfg.experts, self.cfg.top_k, self.cfg.capacity_factor)
         plan = capacity_plan(routing.experts, routing.weights, self.cfg.experts, capacity)
         _note(plan, b * t)
-        rows = flat.index_select(0, plan.token)  # [M, d], expert-major
+        rows = _autocast_rows(flat.index_select(0, plan.token))  # [M, d], expert-major
         if self.run_experts is None:
             out = run_experts(rows, plan.counts.tolist(), self.experts)
         else:
             out = self.run_experts(rows, plan.counts, self.experts)
         weighted = out * plan.weight.to(out.dtype)[:, None]
-        return flat.new_zeros(b * t, d).index_add(0, plan.token, weighted).view(b, t, d)
+        # In the experts' output dtype, as a dense MLP returns under autocast; the residual add promotes it.
+        return out.new_zeros(b * t, d).index_add(0, plan.token, weighted).view(b, t, d)
+
+
+def _autocast_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Under autocast, the rows in its 16-bit dtype before they travel: an expert's first matmul would cast them
+    anyway, so the result is the same and the all-to-all moves half the bytes (Megatron and DeepSpeed dispatch the
+    activations' training dtype)."""
+    kind = rows.device.type
+    if torch.is_autocast_enabled(kind):
+        return rows.to(torch.get_autocast_dtype(kind))
+    return rows
 
 
 def moe_layers(model: nn.Module) -> list[MoEMLP]:

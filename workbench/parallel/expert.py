@@ -89,8 +89,9 @@ def exchange_counts(counts: torch.Tensor, group: Any = None) -> torch.Tensor:
     return incoming.view(ep, -1)
 
 
-def _run_local(received: torch.Tensor, incoming: torch.Tensor, experts: nn.ModuleDict) -> torch.Tensor:
-    """Received rows (source-major, then expert) through this rank's experts, returned in the same order."""
+def run_local_experts(received: torch.Tensor, incoming: torch.Tensor, experts: nn.ModuleDict) -> torch.Tensor:
+    """Received rows (source-major, then expert; ``incoming`` [ep, E/ep] the rows from each source for each local
+    expert) through this rank's experts, returned in the same order (step 3 of the module docstring)."""
     ep, local = incoming.shape
     expert_of_row = torch.arange(local, device=received.device).repeat(ep).repeat_interleave(incoming.reshape(-1))
     order = torch.argsort(expert_of_row, stable=True)  # local-expert-major, source order within an expert
@@ -114,7 +115,7 @@ class ExpertParallelRunner:
         send = counts.view(self.ep, -1).sum(1).tolist()  # rows to each ep rank (its contiguous expert block)
         recv = incoming.sum(1).tolist()
         received = all_to_all_rows(rows, recv, send, self.group, EP_DISPATCH_TAG)
-        out = _run_local(received, incoming, experts)
+        out = run_local_experts(received, incoming, experts)
         return all_to_all_rows(out, send, recv, self.group, EP_COMBINE_TAG)
 
     def __repr__(self) -> str:
@@ -210,5 +211,5 @@ def full_expert_parallel_parameters(model: nn.Module, ep_group: Any = None) -> d
 
 __all__ = ["EP_COMBINE_TAG", "EP_COUNTS_TAG", "EP_DISPATCH_TAG", "GRAD_SUFFIX", "ExpertParallelRunner",
            "all_to_all_rows", "apply_expert_parallel", "clip_expert_parallel_grad_norm_",
-           "full_expert_parallel_parameters", "exchange_counts", "expert_data_groups",
+           "full_expert_parallel_parameters", "exchange_counts", "run_local_experts", "expert_data_groups",
            "expert_parallel_groups", "expert_process_groups", "reduce_expert_parallel_grads", "split_expert_params"]

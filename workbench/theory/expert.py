@@ -102,6 +102,25 @@ def dropped_assignments(counts: list[int], capacity: int | None) -> int:
     return sum(max(0, c - capacity) for c in counts)
 
 
+def expected_dropped_fraction(tokens: int, experts: int, top_k: int, capacity_factor: float | None) -> float:
+    """The share of assignments dropped, in expectation, when routing is uniformly random: each token picks k
+    distinct experts uniformly, so one expert's count is Binomial(tokens, k/E) and it drops E[max(0, X − capacity)]
+    (Switch §2.2 sets C above 1 for exactly this: fluctuations, not imbalance, overflow an expert at C = 1).
+    The binomial's upper tail summed in log space (exact to float rounding); 0.0 without a capacity."""
+    capacity = expert_capacity(tokens, experts, top_k, capacity_factor)
+    if capacity is None or capacity >= tokens:
+        return 0.0
+    p = top_k / experts
+    if p >= 1:
+        return (tokens - capacity) / tokens  # every token picks every expert
+    log_p, log_q = math.log(p), math.log1p(-p)
+    log_pmf = [math.lgamma(tokens + 1) - math.lgamma(x + 1) - math.lgamma(tokens - x + 1) + x * log_p
+               + (tokens - x) * log_q for x in range(capacity + 1, tokens + 1)]  # log space: no overflow at any size
+    overflow = math.fsum((x - capacity) * math.exp(lp) for x, lp in zip(range(capacity + 1, tokens + 1), log_pmf,
+                                                                         strict=True))
+    return experts * overflow / (tokens * top_k)
+
+
 def kept_counts(counts: list[int], capacity: int | None) -> list[int]:
     """Assignments each expert keeps: min(count, capacity)."""
     return list(counts) if capacity is None else [min(c, capacity) for c in counts]
@@ -127,6 +146,22 @@ def all_to_all_bytes(tokens: int, d_model: int, top_k: int, experts: int, ep: in
     counts = experts * COUNT_BYTES * (ep - 1) / ep
     return {"dispatch": one, "combine": one, "dispatch_backward": one, "combine_backward": one,
             "counts": counts, "total": 4 * one + counts}
+
+
+def all_to_all_vs_compute(tokens: int, d_model: int, hidden: int, experts: int, top_k: int, ep: int,
+                          bandwidth: float, flops: float, alpha: float = 0.0, matrices: int = 3,
+                          bytes_per_value: int = 2) -> dict[str, float]:
+    """One MoE layer's forward on one rank under even routing: its dispatch and combine on a link of ``bandwidth``
+    bytes/s and ``alpha`` s per message (``all_to_all_bytes`` each way), beside its experts' compute, tokens·k rows
+    through ``matrices`` d×h matmuls (3 for SwiGLU experts, 2 for a GELU MLP) at 2 FLOP per multiply-add and
+    ``flops`` sustained. The experts cannot start before their rows arrive, so the transfer adds to the step unless
+    other work hides it (DeepSeek-AI 2024 §3.2 overlaps it with another micro-batch's compute). Per row, compute is
+    2·matrices·d·h FLOP and transfer (ep−1)/ep·d·bytes each way: their ratio does not depend on d or the tokens."""
+    moved = all_to_all_bytes(tokens, d_model, top_k, experts, ep, bytes_per_value)
+    transfer = 2 * (alpha + moved["dispatch"] / bandwidth) if ep > 1 else 0.0
+    compute = tokens * top_k * 2 * matrices * d_model * hidden / flops
+    return {"dispatch_bytes": moved["dispatch"], "transfer_s": transfer, "compute_s": compute,
+            "compute_over_transfer": compute / transfer if transfer else math.inf}
 
 
 def measured_all_to_all_bytes(rows_to: list[int], rows_from: list[int], my_rank: int, d_model: int,
@@ -181,6 +216,7 @@ def moe_layout(n_layer: int, d_model: int, params_per_expert: int, experts: int,
             "all_to_all_bytes_per_step": n_layer * a2a["total"] if a2a else 0.0}
 
 
-__all__ = ["COUNT_BYTES", "all_to_all_bytes", "check_ep", "check_moe", "dropped_assignments", "expert_capacity",
-           "expert_data_groups", "expert_memory_per_rank", "moe_layout", "expert_param_count", "expert_parallel_groups",
-           "experts_of_rank", "kept_counts", "measured_all_to_all_bytes", "rows_to_ranks"]
+__all__ = ["COUNT_BYTES", "all_to_all_bytes", "all_to_all_vs_compute", "check_ep", "check_moe", "dropped_assignments",
+           "expected_dropped_fraction", "expert_capacity", "expert_data_groups", "expert_memory_per_rank",
+           "expert_param_count", "expert_parallel_groups", "experts_of_rank", "kept_counts",
+           "measured_all_to_all_bytes", "moe_layout", "rows_to_ranks"]
