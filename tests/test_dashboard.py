@@ -306,3 +306,26 @@ def _execute(kc, code: str, timeout: float = 180) -> str:
             raise AssertionError(f"the kernel raised {content['ename']}: {content['evalue']}")
         elif kind == "status" and content["execution_state"] == "idle":
             return "".join(out)
+
+
+def test_a_moe_run_gets_expert_load_and_dropped_panels() -> None:
+    """Issue 21: the newest step's load per expert (summed over ranks, as a multiple of the mean) and each step's
+    dropped share; a step only one rank has sent yet is not drawn as if it were the whole."""
+    board = Dashboard(nproc=2, steps=4, live=False, min_interval_s=0, experts=4)
+    loads = {0: [[4, 2, 1, 1], [2, 2, 2, 2]], 1: [[8, 0, 0, 0], [0, 0, 4, 4]]}  # step -> per rank, chosen per expert
+    for step, per_rank in loads.items():
+        for rank, load in enumerate(per_rank):
+            board.update(rank, {**_metrics(rank, step), "moe_tokens_per_expert": load, "moe_dropped": step + rank})
+    board.update(0, {**_metrics(0, 2), "moe_tokens_per_expert": [16, 0, 0, 0], "moe_dropped": 9})  # rank 1 not yet
+    fig = board.static_figure()
+    load, dropped = _trace(board, "expert load"), _trace(board, "dropped")
+    assert list(load.x) == ["expert 0", "expert 1", "expert 2", "expert 3"]
+    assert list(load.y) == pytest.approx([8 / 4, 0 / 4, 4 / 4, 4 / 4])  # step 1: [8, 0, 4, 4], mean 4
+    assert list(dropped.x) == [0, 1] and list(dropped.y) == pytest.approx([100 * 1 / 16, 100 * 3 / 16])
+    titles = [a.text for a in fig.layout.annotations]
+    assert any(t.startswith("expert load, newest step") for t in titles)
+    assert "dropped assignments per step (%)" in titles
+    dense = Dashboard(nproc=1, steps=2, live=False)
+    assert not any("expert" in (t.name or "") for t in dense.figure.data)
+    with pytest.raises(ValueError, match="experts must be an int >= 0"):
+        Dashboard(nproc=1, steps=2, experts=-1)

@@ -105,9 +105,11 @@ class Dashboard(widgets.VBox):
     """
 
     def __init__(self, nproc: int, steps: int, live: bool = True, min_interval_s: float = 0.25,
-                 on_stop: Callable[[], None] | None = None) -> None:
+                 on_stop: Callable[[], None] | None = None, experts: int = 0) -> None:
         positive_int("nproc", nproc)
         positive_int("steps", steps)
+        if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
+            raise ValueError(f"experts must be an int >= 0 (0: a dense model, no expert panels), got {experts!r}")
         if isinstance(min_interval_s, bool) or not isinstance(min_interval_s, (int, float)) or min_interval_s < 0:
             raise ValueError(f"min_interval_s must be a number of seconds >= 0 (0: redraw every step), "
                              f"got {min_interval_s!r}")
@@ -118,11 +120,15 @@ class Dashboard(widgets.VBox):
         self.compute_time: list[dict[int, float]] = [{} for _ in range(nproc)]  # forward + backward + optimizer
         self.memory: list[dict[str, int]] = [{} for _ in range(nproc)]  # ledger peaks so far, per rank
         self.comm_bytes: list[dict[str, int]] = [{} for _ in range(nproc)]  # bytes per op, summed over steps
+        self.experts = experts
+        # a MoE run: per step, per rank, the assignments each expert was chosen for and the dropped ones
+        self.expert_load: dict[int, dict[int, list[int]]] = {}
+        self.dropped: dict[int, dict[int, int]] = {}
         self.last_step, self.attempt, self.stop_requested = -1, 0, False
         self.outcome: str | None = None  # set by finish(): what the status line ends with
         self._started, self._ended = time.monotonic(), None
         self._last_draw, self._dirty = -float("inf"), False
-        self.figure = _panels(nproc, widget=live and _anywidget_available())
+        self.figure = _panels(nproc, widget=live and _anywidget_available(), experts=experts)
         drawn = isinstance(self.figure, widgets.DOMWidget)
         self._output = widgets.Output() if live and not drawn else None  # the redrawn figure, without anywidget
         self.status = widgets.HTML(self._status_text())
@@ -156,6 +162,9 @@ class Dashboard(widgets.VBox):
         self.memory[rank] = dict(m.get("memory_peak") or self.memory[rank])
         for op, nbytes in (m.get("comm_bytes") or {}).items():
             self.comm_bytes[rank][op] = self.comm_bytes[rank].get(op, 0) + int(nbytes)
+        if self.experts and m.get("moe_tokens_per_expert") is not None:
+            self.expert_load.setdefault(step, {})[rank] = [int(n) for n in m["moe_tokens_per_expert"]]
+            self.dropped.setdefault(step, {})[rank] = int(m.get("moe_dropped", 0))
         if rank == 0:
             # a restart resumes from its checkpoint and redoes steps: keyed by step, the redone value replaces
             for key in SCALARS:
@@ -200,6 +209,23 @@ class Dashboard(widgets.VBox):
         for rank in range(self.nproc):
             fig.data[base + rank].x = ops
             fig.data[base + rank].y = [to_unit(self.comm_bytes[rank].get(op, 0), UNIT) for op in ops]
+        if self.experts:
+            self._fill_experts(fig, base + self.nproc)
+
+    def _fill_experts(self, fig: go.Figure, base: int) -> None:
+        """The newest step every reporting rank has sent: its load per expert summed over the ranks, as a multiple of
+        the mean (1: even); and each step's dropped share of the assignments (capacity), over the ranks."""
+        reporting = {rank for per_step in self.expert_load.values() for rank in per_step}
+        complete = [s for s, per_rank in self.expert_load.items() if len(per_rank) == len(reporting)]
+        if not complete:
+            return
+        load = [sum(col) for col in zip(*self.expert_load[max(complete)].values(), strict=True)]
+        mean = sum(load) / len(load)
+        fig.data[base].y = [n / mean if mean else 0.0 for n in load]
+        steps = sorted(complete)
+        chosen = {s: sum(map(sum, self.expert_load[s].values())) for s in steps}
+        fig.data[base + 1].x = steps
+        fig.data[base + 1].y = [100.0 * sum(self.dropped[s].values()) / max(1, chosen[s]) for s in steps]
 
     def _show_in_output(self) -> None:
         """Without anywidget: replace the Output's figure (set directly: capturing ``display`` from another thread
@@ -254,14 +280,17 @@ class Dashboard(widgets.VBox):
             self.flush()
 
 
-def _panels(nproc: int, widget: bool) -> go.Figure:
+def _panels(nproc: int, widget: bool, experts: int = 0) -> go.Figure:
     """The empty dashboard: every trace exists from the start (traces cannot be added in a batch update); updates
-    only replace their x and y."""
-    fig = make_subplots(rows=4, cols=2, vertical_spacing=0.09, horizontal_spacing=0.1,
-                        specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None], [{}, {}]],
+    only replace their x and y. A MoE run (``experts``) gets a fifth row: expert load and dropped assignments."""
+    moe_titles = ["expert load, newest step (assignments / mean; 1 = even)", "dropped assignments per step (%)"]
+    fig = make_subplots(rows=5 if experts else 4, cols=2, vertical_spacing=0.07 if experts else 0.09,
+                        horizontal_spacing=0.1,
+                        specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None], [{}, {}]] + ([[{}, {}]] if experts else []),
                         subplot_titles=[*SCALARS.values(),
                                         "step time per rank (s); dotted: computing, the gap above it waiting",
-                                        f"memory peak ({UNIT})", f"bytes per collective ({UNIT})"])
+                                        f"memory peak ({UNIT})", f"bytes per collective ({UNIT})",
+                                        *(moe_titles if experts else [])])
     for i, (key, title) in enumerate(SCALARS.items()):
         fig.add_scatter(x=[], y=[], mode="lines", name=title, showlegend=False, line_color="#444",
                         hovertemplate=f"step %{{x}}<br>{key} %{{y:.4g}}<extra></extra>", row=1 + i // 2, col=1 + i % 2)
@@ -280,9 +309,21 @@ def _panels(nproc: int, widget: bool) -> go.Figure:
         fig.add_bar(x=[], y=[], name=f"rank {rank}", legendgroup=f"rank {rank}", showlegend=False,
                     marker_color=_rank_color(rank), row=4, col=2,
                     hovertemplate=f"%{{x}}<br>rank {rank}: %{{y:.3g}} {UNIT}<extra></extra>")
-    fig.update_layout(barmode="stack", height=900, margin={"t": 40, "b": 30}, legend_tracegroupgap=4)
+    if experts:
+        _expert_panels(fig, experts)
+    fig.update_layout(barmode="stack", height=1120 if experts else 900, margin={"t": 40, "b": 30},
+                      legend_tracegroupgap=4)
     fig.update_xaxes(title_text="step", row=3, col=1)
     return go.FigureWidget(fig) if widget else fig
+
+
+def _expert_panels(fig: go.Figure, experts: int) -> None:
+    fig.add_bar(x=[f"expert {e}" for e in range(experts)], y=[0.0] * experts, name="expert load", showlegend=False,
+                marker_color="#7f7f7f", row=5, col=1, hovertemplate="%{x}: %{y:.2f} x the mean<extra></extra>")
+    fig.add_hline(y=1.0, line_dash="dot", row=5, col=1)
+    fig.add_scatter(x=[], y=[], mode="lines+markers", name="dropped", showlegend=False, line_color="#d62728",
+                    row=5, col=2, hovertemplate="step %{x}<br>dropped %{y:.2f} %<extra></extra>")
+    fig.update_xaxes(title_text="step", row=5, col=2)
 
 
 def _rank_color(rank: int) -> str:
