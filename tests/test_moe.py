@@ -296,6 +296,30 @@ def test_under_autocast_rows_travel_and_return_in_16_bit(dtype):
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
 
 
+def test_calculator_holds_e_over_ep_experts_per_rank():
+    """workbench calc's memory table with expert parallelism: parameters and gradients hold the dense part and
+    E/ep experts per layer; sharded states (ZeRO-1's optimizer and masters) come to the same per rank either way,
+    experts/ep over dp/ep ranks being experts over dp."""
+    from workbench.theory.calculator import calculator_table
+    from workbench.theory.expert import preset_expert_params
+    from workbench.theory.models import MODEL_PRESETS
+
+    shape = MODEL_PRESETS["mixtral-8x7B"]
+    per_expert = preset_expert_params(shape)
+    assert per_expert == 3 * 4096 * 14336
+    experts_total = shape["n_layer"] * 8 * per_expert
+    one, eight = (calculator_table("mixtral-8x7B", dp=64, zero_stage=1, ep=ep)["per_rank"] for ep in (1, 8))
+    assert one["parameters"] == 2 * shape["n_params"]  # bf16 weights, every expert on every rank
+    assert eight["parameters"] == 2 * (shape["n_params"] - experts_total + experts_total // 8)
+    assert eight["gradients"] == eight["parameters"]
+    for sharded in ("optimizer_state", "master_weights"):
+        assert eight[sharded] == pytest.approx(one[sharded], rel=1e-12)
+    assert calculator_table("llama-7B", dp=8, zero_stage=1)["notes"] == \
+        calculator_table("llama-7B", dp=8, zero_stage=1, ep=1)["notes"]  # a dense model: nothing changes
+    with pytest.raises(ValueError, match="ep"):
+        calculator_table("mixtral-8x7B", dp=64, zero_stage=1, ep=3)
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [

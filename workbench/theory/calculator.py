@@ -8,6 +8,7 @@ the command line prints it without importing ipywidgets or plotly.
 from __future__ import annotations
 
 from workbench.theory.composition import check_composition
+from workbench.theory.expert import check_ep, preset_expert_params
 from workbench.theory.memory import formula, model_state_bytes, offloaded_bytes, to_unit
 from workbench.theory.models import MODEL_PRESETS
 from workbench.theory.parallelism import Layout, Link, analyze_layout
@@ -50,6 +51,8 @@ def calculator_table(
     links: dict[str, Link] | None = None,
     cp: int = 1,
     cp_layout: str = "zigzag",
+    ep: int = 1,
+    moe_experts: int | None = None,
 ) -> dict:
     """Per-rank memory for one configuration, as plain numbers.
 
@@ -63,6 +66,10 @@ def calculator_table(
     ``batch`` is the micro-batch of one rank (sequences), 0 to leave activations out; the tp and pp traffic
     then assume one sequence per micro-batch. tp, sp, pp, schedule, microbatches, virtual_stages, cp and cp_layout
     are ``workbench run``'s flags (``theory.parallelism.Layout``); ZeRO then shards over dp x cp.
+
+    A mixture of experts (``moe_experts``, default the preset's) with expert parallelism ``ep`` (borrowed from dp,
+    ``theory.expert``): each rank holds E/ep of every layer's experts, and ZeRO shards those over the dp·cp/ep ranks
+    holding the same experts, the rest of the model over dp·cp as before (``_split_experts``).
     """
     layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero_stage=zero_stage, schedule=schedule,
                     microbatches=microbatches, virtual_stages=virtual_stages, offload=offload, cp=cp,
@@ -72,8 +79,14 @@ def calculator_table(
     n_params = n_params_of(model, custom_params_b)
     result = analyze_layout(model, layout, precision, optimizer, batch, seq_len, recompute, links)
     memory = result["memory"]
-    worst = memory["ranks"][memory["worst"]]
     notes: list[str] = []
+    experts = MODEL_PRESETS[model].get("moe_experts", 0) if moe_experts is None else moe_experts
+    if experts:
+        memory = _split_experts(memory, MODEL_PRESETS[model], layout, experts, ep, precision, optimizer)
+        notes.append(f"experts: {experts // ep} of {experts} per rank and layer (ep={ep}), ZeRO over the "
+                     f"{layout.shard_group // ep} rank(s) holding the same ones; the dp row's traffic still counts "
+                     f"every parameter over dp")
+    worst = memory["ranks"][memory["worst"]]
     if batch:
         notes.append(f"activations: Korthikanti et al. 2022, micro-batch {batch}, recompute={recompute}, "
                      f"{worst['peak_in_flight']} micro-batch(es) in flight on the worst pipeline rank")
@@ -85,6 +98,31 @@ def calculator_table(
                          optimizer, notes, stages=stages, worst_stage=memory["worst"], bubble=result["bubble"],
                          peak_in_flight=[r["peak_in_flight"] for r in memory["ranks"]], comm=result["comm"],
                          comm_micro_batch=result["comm_micro_batch"])
+
+
+def _split_experts(memory: dict, shape: dict, layout: Layout, experts: int, ep: int, precision: str,
+                   optimizer: str) -> dict:
+    """``layout_memory``'s ranks re-priced for expert parallelism: a pipeline rank's expert parameters (its layers
+    × E experts, split by tp like any matmul) become E/ep of them, sharded by ZeRO over dp·cp/ep ranks; the dense
+    rest keeps dp·cp. Activations are left as they were (the dense MLP's estimate)."""
+    check_ep(experts, ep, layout.dp)
+    per_expert = preset_expert_params(shape)
+    group = layout.shard_group
+    ranks = []
+    for r in memory["ranks"]:
+        expert = round(r["layers"] * experts * per_expert / layout.tp)
+        dense, local = r["params"] - expert, expert // ep
+        args = (layout.zero_stage, precision, optimizer, layout.offload)
+        states = {k: model_state_bytes(dense, group, *args)[k] + model_state_bytes(local, group // ep, *args)[k]
+                  for k in model_state_bytes(dense, group, *args)}
+        cpu = {k: offloaded_bytes(dense, group, *args)[k] + offloaded_bytes(local, group // ep, *args)[k]
+               for k in offloaded_bytes(dense, group, *args)}
+        if "activations" in r["per_rank"]:
+            states["activations"] = r["per_rank"]["activations"]
+        ranks.append({**r, "params": dense + local, "per_rank": states, "cpu": cpu, "total": sum(states.values())})
+    worst = max(range(len(ranks)), key=lambda i: ranks[i]["total"])
+    return {**memory, "ranks": ranks, "worst": worst, "per_rank": ranks[worst]["per_rank"],
+            "total": ranks[worst]["total"]}
 
 
 def _custom_table(layout: Layout, custom_params_b: float | None, precision: str, optimizer: str, batch: int,

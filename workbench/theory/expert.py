@@ -186,6 +186,15 @@ def expert_param_count(d_model: int, hidden: int) -> int:
     return d_model * hidden + hidden + hidden * d_model + d_model
 
 
+def preset_expert_params(shape: dict) -> int:
+    """Parameters of one expert of a model shape (``theory.models.MODEL_PRESETS``): Llama-shaped experts are
+    SwiGLU without biases (gate and up d→h, down h→d: 3·d·h, h = ``ffn_hidden``), GPT-shaped ones the GPT's MLP
+    (``expert_param_count``, h = 4·d unless ``ffn_hidden`` says otherwise)."""
+    d = shape["d_model"]
+    hidden = shape.get("ffn_hidden", 4 * d)
+    return 3 * d * hidden if shape.get("arch") == "llama" else expert_param_count(d, hidden)
+
+
 def expert_memory_per_rank(n_layer: int, d_model: int, hidden: int, experts: int, ep: int,
                            bytes_per_param: int = 4) -> dict[str, int]:
     """Parameter bytes per rank of the MoE MLPs: each rank holds E/ep experts per layer; the router (d·E, no bias)
@@ -218,5 +227,5 @@ def moe_layout(n_layer: int, d_model: int, params_per_expert: int, experts: int,
 
 __all__ = ["COUNT_BYTES", "all_to_all_bytes", "all_to_all_vs_compute", "check_ep", "check_moe", "dropped_assignments",
            "expected_dropped_fraction", "expert_capacity", "expert_data_groups", "expert_memory_per_rank",
-           "expert_param_count", "expert_parallel_groups", "experts_of_rank", "kept_counts",
+           "expert_param_count", "expert_parallel_groups", "experts_of_rank", "kept_counts", "preset_expert_params",
            "measured_all_to_all_bytes", "moe_layout", "rows_to_ranks"]
