@@ -89,6 +89,14 @@ def predictions_required() -> bool:
         if setting not in (_REQUIRED, _OPTIONAL):
             raise ValueError(f"${PREDICTIONS_ENV} must be {_REQUIRED!r} or {_OPTIONAL!r}, got {setting!r}")
         return setting == _REQUIRED
+    return person_at_front_end()
+
+
+def person_at_front_end() -> bool:
+    """True when the cell running now was sent by a person's editor: JupyterLab or Notebook 7 (which put the cell's
+    id in the execute request, ``cellId``; nbclient, behind papermill and ``workbench labs check``, and nbval send
+    none), or a kernel hosted by VS Code or Colab. Plain Python and terminal IPython have no kernel: False. The
+    dashboard asks it too (``widgets.dashboard.has_widget_front_end``)."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -157,4 +165,4 @@ def check_prediction(what: str, predicted: float | str | bool | None, measured: 
 
 
 __all__ = ["PREDICTIONS_ENV", "LinkModel", "PredictionMissing", "check_prediction", "commit_prediction",
-           "fit_ring_allreduce", "predictions_required", "relative_error", "worst_error"]
+           "fit_ring_allreduce", "person_at_front_end", "predictions_required", "relative_error", "worst_error"]

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import html
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -67,23 +66,11 @@ def has_widget_front_end() -> bool:
     or the cell being run was sent by JupyterLab / Notebook 7, which put the cell's id in the execute request's
     metadata (``cellId``; nbclient, behind papermill, and nbval do not); or Colab or VS Code hosts the kernel.
     """
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    kernel = getattr(shell, "kernel", None)
-    if kernel is None:  # plain python, or terminal IPython
-        return False
-    if widgets.Widget._control_comm is not None or "google.colab" in sys.modules:
+    from workbench.theory.calibration import person_at_front_end
+
+    if widgets.Widget._control_comm is not None:  # only a kernel's widget manager opens it
         return True
-    if "__vsc_ipynb_file__" in getattr(shell, "user_ns", {}):
-        return True
-    try:
-        request = kernel.get_parent("shell") or {}
-    except TypeError:  # ipykernel < 6.22 takes no channel
-        request = kernel.get_parent() or {}
-    return bool((request.get("metadata") or {}).get("cellId"))
+    return person_at_front_end()
 
 
 def _anywidget_available() -> bool:
