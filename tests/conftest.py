@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # depend on what hardware is there; tests marked `gpu` ask for CUDA explicitly.
 os.environ.setdefault("WORKBENCH_DEVICE", "cpu")
 # Notebooks run with their predictions left None, headless (nbval, papermill) and in the browser test's JupyterLab
-# too, which would otherwise stop at the first one (workbench.theory.calibration.predictions_required).
+# too, which would otherwise stop at the first one (workbench.predictions.predictions_required).
 os.environ.setdefault("WORKBENCH_PREDICTIONS", "optional")
 
 

@@ -41,6 +41,8 @@ FLOORS = {
     "workbench/viz/": 6, "workbench/widgets/": 6,
     "workbench/cli.py": 7, "workbench/magics.py": 7, "workbench/labs/": 7,
     "workbench/run.py": 7,         # one run start to end: cli.py parses flags and calls it
+    "workbench/course.py": 7,      # the installed course (notebooks, labs, benchmarks) and workbench course
+    "workbench/predictions.py": 6,  # asks the IPython kernel who runs the cell: presentation, not theory
     # Not named in the issue: both launch ranks for a notebook (measure: notebooks 02-04's α-β calibration;
     # pipeline_demo: notebook 08 and the schedule explorer), so they are entry points, not presentation.
     "workbench/measure.py": 7, "workbench/pipeline_demo.py": 7,

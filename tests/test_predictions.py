@@ -1,7 +1,7 @@
 """Committed predictions (issue 24, item 1): one shared ``check_prediction``; a prediction left ``None`` stops a
 notebook that a person runs, before the answer, and never a headless run.
 
-* every notebook and lab uses ``workbench.theory.calibration``'s ``check_prediction`` and ``commit_prediction``,
+* every notebook and lab uses ``workbench.predictions``'s ``check_prediction`` and ``commit_prediction``,
   none defines its own;
 * every prediction cell (``MY_… = None``) ends with ``commit_prediction`` of exactly its names, and a later cell
   checks each of them with ``check_prediction``;
@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
-from workbench.theory import calibration
-from workbench.theory.calibration import (
+from workbench import predictions
+from workbench.predictions import (
     PREDICTIONS_ENV,
     PredictionMissing,
     check_prediction,
@@ -70,10 +70,10 @@ def test_no_notebook_defines_its_own_prediction_check(path: Path) -> None:
                         if isinstance(t, ast.Name)] if isinstance(node, (ast.Assign, ast.AnnAssign)) else [])
             own = sorted(set(defined) & set(SHARED))
             assert not own, (f"{path.parent.name}/{path.name}, cell {i} defines {own}: import them from "
-                             f"workbench.theory.calibration (one shared check for every notebook)")
+                             f"workbench.predictions (one shared check for every notebook)")
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and {a.name for a in node.names} & set(SHARED):
-                assert node.module == "workbench.theory.calibration", (path.name, i, node.module)
+                assert node.module == "workbench.predictions", (path.name, i, node.module)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.stem}")
@@ -81,13 +81,13 @@ def test_every_prediction_is_committed_then_checked(path: Path) -> None:
     cells = _code(path)
     imported = False
     for n, (i, tree) in enumerate(cells):
-        imported |= any(isinstance(node, ast.ImportFrom) and node.module == "workbench.theory.calibration"
+        imported |= any(isinstance(node, ast.ImportFrom) and node.module == "workbench.predictions"
                         and "commit_prediction" in {a.name for a in node.names} for node in ast.walk(tree))
         names = _predictions(tree)
         if not names:
             continue
         where = f"{path.parent.name}/{path.name}, cell {i} ({', '.join(names)})"
-        assert imported, f"{where}: import commit_prediction from workbench.theory.calibration in an earlier cell"
+        assert imported, f"{where}: import commit_prediction from workbench.predictions in an earlier cell"
         last = tree.body[-1]
         committed = (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
                      and isinstance(last.value.func, ast.Name) and last.value.func.id == "commit_prediction")
@@ -172,7 +172,7 @@ def test_theory_only_and_choice_predictions(env) -> None:
     assert check_prediction("axis", "dp", "tp", "tp").endswith("✗")
     with pytest.raises(ValueError, match="measurement, the theory or both"):
         check_prediction("x", 1.0, None)
-    assert calibration.__all__.count("commit_prediction") == 1
+    assert predictions.__all__.count("commit_prediction") == 1
 
 
 def test_a_real_kernel_stops_for_jupyterlab_and_runs_for_nbclient() -> None:
@@ -182,7 +182,7 @@ def test_a_real_kernel_stops_for_jupyterlab_and_runs_for_nbclient() -> None:
 
     env = {k: v for k, v in os.environ.items() if k != PREDICTIONS_ENV}
     km, kc = start_new_kernel(kernel_name="python3", env=env, startup_timeout=60)
-    cell = ("from workbench.theory.calibration import check_prediction, commit_prediction\n"
+    cell = ("from workbench.predictions import check_prediction, commit_prediction\n"
             "MY_X = None\ncommit_prediction(MY_X)\nprint(check_prediction('x', MY_X, 2.0))")
     try:
         results = {}

@@ -66,7 +66,7 @@ def has_widget_front_end() -> bool:
     or the cell being run was sent by JupyterLab / Notebook 7, which put the cell's id in the execute request's
     metadata (``cellId``; nbclient, behind papermill, and nbval do not); or Colab or VS Code hosts the kernel.
     """
-    from workbench.theory.calibration import person_at_front_end
+    from workbench.predictions import person_at_front_end
 
     if widgets.Widget._control_comm is not None:  # only a kernel's widget manager opens it
         return True
