@@ -30,10 +30,13 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+from workbench.dist.notices import in_kernel, say
 
 #: ``workbench run``'s exit status after a graceful preemption: sysexits.h's EX_TEMPFAIL ("a temporary failure; the
 #: user is invited to retry"): the checkpoint of the stop step is good, rerun with --resume. Not 128 + signum, which a
@@ -60,23 +63,18 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
     """
     if live:
         return run_live(cfg, out)
-    from tqdm.auto import tqdm
-
     from workbench.dist.launch import launch, under_torchrun
     from workbench.training.trainer import train_rank
 
     # Under torchrun every process runs this function; only global rank 0 draws and writes.
     lead = not under_torchrun() or os.environ.get("RANK") == "0"
-    bar = tqdm(total=cfg.steps, desc=f"training on {cfg.nproc} rank(s)", disable=not (progress and lead),
-               file=sys.stderr)
+    bar = progress_bar(cfg.steps, f"training on {cfg.nproc} rank(s)", enabled=progress and lead)
     streamed: list[dict[str, Any]] = []  # rank 0's metrics of every attempt: a restart's history starts later
 
     def on_report(rank: int, metrics: dict[str, Any]) -> None:
         if rank == 0:
             streamed.append(metrics)
-            bar.n = metrics["step"] + 1  # a restart goes back to its checkpoint's step
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-            bar.refresh()
+            bar.update(metrics["step"] + 1, metrics["loss"], metrics["tokens_per_s"])  # a restart goes back
         if on_metrics is not None:
             on_metrics(rank, metrics)
 
@@ -97,6 +95,70 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
         if out is not None and lead:  # a first signal now changes nothing; a second still stops the writing
             write_outputs(Path(out), summary, results.traces)
     return summary
+
+
+class LineProgress:
+    """Progress for a log (CI, ``workbench run > log 2>&1``, a batch job): a redrawn bar writes a line per redraw
+    there, two per step. Instead one line every ``ceil(total / lines)`` steps, the first step's and the last's,
+    each step once: a restart that goes back to a checkpoint does not show its redone steps again."""
+
+    def __init__(self, total: int, desc: str, file: TextIO, lines: int = 10) -> None:
+        self.total, self.desc, self.file = total, desc, file
+        self.every = max(1, math.ceil(total / max(1, lines)))
+        self.shown = 0  # the highest step shown, counted from 1
+        self.last: tuple[int, float, float] | None = None  # the latest update: close() shows it if it was skipped
+        self.start = time.monotonic()
+
+    def update(self, done: int, loss: float, tokens_per_s: float) -> None:
+        """Step ``done`` (counted from 1) finished with this loss and throughput."""
+        self.last = (done, loss, tokens_per_s)
+        if done > self.shown and (done == 1 or done % self.every == 0 or done >= self.total):
+            self._show(*self.last)
+
+    def close(self) -> None:
+        """Show the last step if its line was skipped (a run stopped or preempted between two lines)."""
+        if self.last is not None and self.last[0] > self.shown:
+            self._show(*self.last)
+
+    def _show(self, done: int, loss: float, tokens_per_s: float) -> None:
+        self.shown = done
+        print(f"{self.desc}: step {done}/{self.total}, loss {loss:.3f}, {tokens_per_s:.0f} tok/s, "
+              f"{time.monotonic() - self.start:.1f}s", file=self.file, flush=True)
+
+
+class BarProgress:
+    """tqdm's bar, in a terminal or a notebook (``tqdm.auto``: a widget there); redrawn once per step."""
+
+    def __init__(self, total: int, desc: str, file: TextIO, enabled: bool = True) -> None:
+        from tqdm.auto import tqdm  # only once a run starts: `workbench --help` is quick
+
+        self.bar = tqdm(total=total, desc=desc, disable=not enabled, file=file)
+
+    def update(self, done: int, loss: float, tokens_per_s: float) -> None:
+        """Step ``done`` (counted from 1) finished; a restart moves the bar back to its checkpoint's step."""
+        self.bar.n = done
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True,
+                 file: TextIO | None = None) -> LineProgress | BarProgress:
+    """The run's progress on ``file`` (stderr): tqdm's bar in a terminal or a notebook, ``LineProgress``'s few
+    lines where nobody watches a redraw (stderr is a file or a pipe: a CI log)."""
+    file = sys.stderr if file is None else file
+    if enabled and not _is_tty(file) and not in_kernel():
+        return LineProgress(total, desc, file)
+    return BarProgress(total, desc, file, enabled)
+
+
+def _is_tty(file: TextIO) -> bool:
+    try:
+        return file.isatty()
+    except (AttributeError, ValueError):  # not a real stream, or a closed one: no terminal to redraw
+        return False
 
 
 def _summary(cfg: RunConfig, results: Any, streamed: list[dict[str, Any]], links: LinkEmulation | None,
@@ -132,10 +194,10 @@ class Preemption:
         if self.signal is None:
             self.signal = name
             self.stop_file.touch()
-            print(f"workbench: {name}: every rank stops after its current step (saving a checkpoint there with "
-                  f"--ckpt-dir); send it again to stop at once", file=sys.stderr, flush=True)
+            say(f"{name}: every rank stops after its current step (saving a checkpoint there with --ckpt-dir); "
+                f"send it again to stop at once")
             return
-        print(f"workbench: {name} again: stopping the ranks now (nothing more is saved)", file=sys.stderr, flush=True)
+        say(f"{name} again: stopping the ranks now (nothing more is saved)")
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
@@ -246,7 +308,7 @@ def prepare_resume(cfg: RunConfig) -> None:
                              f"run `workbench run --resume` with the new layout without torchrun")
         return
     if note := prepare_resharded_resume(cfg):
-        print(f"workbench: {note}", file=sys.stderr)
+        say(note)
 
 
 def _restart_log(restarts: list[dict[str, Any]], streamed: list[dict[str, Any]],

@@ -48,13 +48,14 @@ import re
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from workbench.dist.notices import notice
 
 FORMAT = "workbench-checkpoint"
 FORMAT_VERSION = 1
@@ -294,7 +295,8 @@ def verify(path: str | os.PathLike) -> list[str]:
 def latest_good(directory: str | os.PathLike) -> Path:
     """The newest ``step-*`` checkpoint under ``directory`` that verifies.
 
-    Newer ones that do not verify are skipped with a ``warnings.warn`` naming each and what was wrong;
+    Newer ones that do not verify are skipped with a ``notice`` (a ``UserWarning`` shown as one ``workbench:``
+    line) naming each and what was wrong;
     ``CheckpointError`` naming the directory and every problem if none verifies (or there are none).
     """
     root = Path(directory)
@@ -307,8 +309,8 @@ def latest_good(directory: str | os.PathLike) -> Path:
         problems = verify(folder)
         if not problems:
             if skipped:
-                warnings.warn(f"falling back to checkpoint {folder.name}: newer checkpoint(s) did not verify: "
-                              + "; ".join(skipped), stacklevel=2)
+                notice(f"falling back to checkpoint {folder.name}: newer checkpoint(s) did not verify: "
+                       + "; ".join(skipped))
             return folder
         skipped.append(f"{folder.name}: " + ", ".join(problems))
     raise CheckpointError(f"no good checkpoint in {str(root)!r}; every one failed verification:\n  "
@@ -610,5 +612,5 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             for i, s in enumerate(cuda[:torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(s.cpu(), i)
         else:
-            warnings.warn("the checkpoint holds CUDA RNG state but CUDA is not available here; "
-                          "CUDA random numbers will differ from the saved run", stacklevel=2)
+            notice("the checkpoint holds CUDA RNG state but CUDA is not available here; "
+                   "CUDA random numbers will differ from the saved run")

@@ -54,6 +54,7 @@ from workbench import trace
 from workbench.dist import emulation
 from workbench.dist.emulation import LinkEmulation, Straggler, resolve_time_scale
 from workbench.dist.faults import RESTART_ENV, restart_count
+from workbench.dist.notices import say
 from workbench.theory.comm import Link
 
 VALID_BACKENDS = ("gloo", "nccl")
@@ -216,8 +217,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
     the nodes round-robin instead of node-major (Slurm's ``--distribution``). ``straggler="rank=R:factor=F"`` makes rank
     R's forward, backward and optimizer spans last F times as long.
     ``backend``, ``device``, ``timeout``, ``port``, ``on_report``, ``max_restarts``, ``on_restart``, ``nodes``,
-    ``intra_link``, ``inter_link``, ``time_scale``, ``distribution`` and ``straggler`` are launch's own keywords; all other keywords
-    go to ``fn``.
+    ``intra_link``, ``inter_link``, ``time_scale``, ``distribution`` and ``straggler`` are launch's own keywords; all
+    other keywords go to ``fn``.
 
     Raises ``RankError`` (a RuntimeError) naming the rank when a rank raises, dies or a collective times
     out; ``ValueError`` for bad arguments, before any process is started.
@@ -229,7 +230,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
         raise ValueError(f"max_restarts must be an int >= 0 (how often to restart all ranks after a failure), "
                          f"got {max_restarts!r}")
     if placement.note and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
-        print(f"workbench: {placement.note}", file=sys.stderr)
+        say(placement.note)
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, placement, timeout, on_report, args, kwargs, emulated)
     restarts: list[dict[str, Any]] = []
@@ -243,8 +244,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
                 raise
             restarts.append({"attempt": attempt + 1, "rank": error.rank,
                              "reason": error.message.splitlines()[0][:300], "time": time.time()})
-            print(f"workbench: rank {error.rank} failed ({restarts[-1]['reason']}); restarting all {world_size} "
-                  f"rank(s), restart {attempt + 1} of {max_restarts}", file=sys.stderr)
+            say(f"rank {error.rank} failed ({restarts[-1]['reason']}); restarting all {world_size} rank(s), "
+                f"restart {attempt + 1} of {max_restarts}")
             if on_restart is not None:
                 on_restart(attempt + 1, error)
             continue
