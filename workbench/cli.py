@@ -150,7 +150,8 @@ def _run_parser(sub: Any) -> None:
                    help="after a rank fails, restart all ranks up to K times, resuming from the newest checkpoint")
     p.add_argument("--inject-fault", default=None, metavar="KIND:rank=R:step=S",
                    help="plant one failure in the first attempt: kill (SIGKILL), raise, hang (caught by --timeout), "
-                        "or nan (weights turn NaN: caught by --on-spike)")
+                        "nan (weights turn NaN: caught by --on-spike), or bitflip (one bit of rank R's first "
+                        "parameter flips after step S: caught by --sdc-check-every)")
     p.add_argument("--val-every", type=int, default=None,
                    help="validation loss every K steps on a held-out split the sampler never serves for training, "
                         "with a check that data-parallel ranks drew disjoint windows")
@@ -159,6 +160,7 @@ def _run_parser(sub: Any) -> None:
                    help="on a NaN/Inf or a loss spike: warn; rollback to the newest checkpoint and skip the batches "
                         "since; or stop")
     p.add_argument("--spike-factor", type=float, default=3.0, help="a loss above this x the recent median is a spike")
+    _sdc_flag(p)
     _run_topology_flags(p)
     # Flags whose default is RunConfig's own (argparse.SUPPRESS: left out of the namespace unless given).
     p.add_argument("--weight-decay", type=float, default=argparse.SUPPRESS, help="AdamW's decoupled weight decay "
@@ -167,6 +169,14 @@ def _run_parser(sub: Any) -> None:
                    help="the cosine schedule ends at this x --lr (default 0.1)")
     p.add_argument("--trace-steps", type=int, default=argparse.SUPPRESS,
                    help="trace (spans, collectives, memory) the last K steps for the report (default 5)")
+
+
+def _sdc_flag(p: argparse.ArgumentParser) -> None:
+    """``--sdc-check-every`` (workbench.training.health: silent data corruption), beside the spike flags."""
+    p.add_argument("--sdc-check-every", type=int, default=None, metavar="K",
+                   help="every K steps (and before each checkpoint) fingerprint what data-parallel replicas must hold "
+                        "alike, compare, and name the ranks that disagree (silent data corruption); the action is "
+                        "--on-spike's")
 
 
 #: RunConfig fields with no ``run`` flag: set from Python only (the live dashboard's stop file rides in ``extra``).

@@ -10,7 +10,10 @@ such failure so a learner can watch it happen:
 * ``hang``  -- rank R stops answering there (a stuck NCCL kernel, a dead link): its peers' next collective
   times out after ``--timeout`` seconds, which is what turns a hang into a failure at all;
 * ``nan``   -- rank R's weights turn to NaN there (a bad update, a flipped bit): nothing crashes, the loss goes
-  NaN on every rank, and the health check (``--on-spike``) must notice (``workbench.health``).
+  NaN on every rank, and the health check (``--on-spike``) must notice (``workbench.health``);
+* ``bitflip`` -- rank R flips one bit of its first parameter right after step S (silent data corruption: a bad
+  DRAM cell or a faulty ALU). Nothing crashes and the loss barely moves; only the replicas' fingerprints
+  (``--sdc-check-every``) tell that rank R no longer holds what its data-parallel peers hold.
 
 A fault fires only in the first attempt: a restarted run (``restart_count() > 0``) must get past the step
 that failed, as a real run does once the bad node is replaced.
@@ -24,7 +27,15 @@ import signal
 import time
 from dataclasses import dataclass
 
-FAULT_KINDS = ("kill", "raise", "hang", "nan")
+import torch
+
+FAULT_KINDS = ("kill", "raise", "hang", "nan", "bitflip")
+
+#: The bit a ``bitflip`` fault flips, per dtype: the top mantissa bit, so element 0 moves by up to half its magnitude
+#: (visible in the weights) but keeps its exponent and stays finite (an exponent bit could make it inf and let the
+#: spike check catch it instead, which is not what silent corruption looks like).
+_TOP_MANTISSA_BIT = {torch.float32: (torch.int32, 22), torch.float64: (torch.int64, 51),
+                     torch.bfloat16: (torch.int16, 6), torch.float16: (torch.int16, 9)}
 
 #: Set in each rank by ``launch(max_restarts=...)``; torchrun's elastic agent sets the second.
 RESTART_ENV = ("WORKBENCH_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
@@ -72,8 +83,9 @@ def restart_count() -> int:
 
 def maybe_inject(spec: FaultSpec | None, rank: int, step: int) -> bool:
     """Fire ``spec`` if this is its rank and step, in the first attempt only. A ``nan`` fault is the caller's to
-    plant (it needs the model): True means "poison your weights now"."""
-    if spec is None or rank != spec.rank or step != spec.step or restart_count() > 0:
+    plant (it needs the model): True means "poison your weights now". A ``bitflip`` never fires here: it strikes
+    after its step, not before (``bitflip_due``)."""
+    if spec is None or spec.kind == "bitflip" or rank != spec.rank or step != spec.step or restart_count() > 0:
         return False
     if spec.kind == "nan":
         return True
@@ -83,3 +95,23 @@ def maybe_inject(spec: FaultSpec | None, rank: int, step: int) -> bool:
         raise InjectedFault(f"injected fault {spec}: rank {rank} raised before step {step}")
     while True:  # hang: never return; the peers' collective timeout ends the attempt, the launcher kills us
         time.sleep(3600)
+
+
+def bitflip_due(spec: FaultSpec | None, rank: int, step: int) -> bool:
+    """Whether a ``bitflip`` fault strikes this rank right after ``step`` (first attempt only, like every fault)."""
+    return (spec is not None and spec.kind == "bitflip" and rank == spec.rank and step == spec.step
+            and restart_count() == 0)
+
+
+def flip_bit(tensor: torch.Tensor) -> tuple[float, float]:
+    """Flip the top mantissa bit of ``tensor``'s element 0 in place; returns (value before, value after).
+    Deterministic (same element, same bit), so a test knows which tensor on which rank went bad."""
+    if tensor.dtype not in _TOP_MANTISSA_BIT:
+        raise ValueError(f"bitflip needs a floating-point tensor of {sorted(map(str, _TOP_MANTISSA_BIT))}, "
+                         f"got {tensor.dtype}")
+    int_dtype, bit = _TOP_MANTISSA_BIT[tensor.dtype]
+    with torch.no_grad():
+        flat = tensor.detach().view(-1)  # a view of the parameter's storage: the flip lands in the weight itself
+        before = float(flat[0])
+        flat[:1].view(int_dtype).bitwise_xor_(1 << bit)
+        return before, float(flat[0])

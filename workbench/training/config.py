@@ -97,11 +97,12 @@ class RunConfig:
     async_ckpt: bool = False  # snapshot to CPU and write in a background thread while training goes on
     export: str | None = None  # write the trained model's full state dict here (a plain model loads it)
     max_restarts: int = 0  # restart every rank after a failure, up to K times, resuming from the newest checkpoint
-    inject_fault: str | None = None  # KIND:rank=R:step=S, KIND in kill/raise/hang (workbench.faults), first attempt
+    inject_fault: str | None = None  # KIND:rank=R:step=S, KIND in dist.faults.FAULT_KINDS, first attempt only
     val_every: int | None = None  # validation loss every K steps on a held-out split (and a duplicated-shard check)
     val_fraction: float = 0.1  # the corpus's last windows held out for validation when val_every is set
     on_spike: str = "warn"  # a NaN/Inf or loss spike: warn, rollback (to the newest checkpoint, skipping batches), stop
     spike_factor: float = 3.0  # a loss above this x the recent median is a spike
+    sdc_check_every: int | None = None  # fingerprint the dp replicas every K steps and compare (silent corruption)
     nodes: int | None = None  # emulated nodes (node-major); None: no emulation unless a link is given (then 1 node)
     intra_link: str | None = None  # link inside a node: a preset (nvlink, pcie, ...) or GBPS,US; default nvlink
     inter_link: str | None = None  # link between nodes; default infiniband
@@ -337,6 +338,7 @@ class RunConfig:
             raise ValueError("on_spike='rollback' needs ckpt_dir (--ckpt-dir DIR): it rolls back to the newest "
                              "checkpoint")
         SpikeDetector(factor=self.spike_factor)
+        self._validate_sdc_check()
         vf = self.val_fraction  # checked even without val_every: a value that could never work is a typo now
         if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 < vf < 1:
             raise ValueError(f"val_fraction must be a number in (0, 1) (the share of the corpus's windows held out "
@@ -352,6 +354,25 @@ class RunConfig:
         if split.train < self.batch_size:
             raise ValueError(f"holding out val_fraction={self.val_fraction} leaves {split.train} training windows, "
                              f"fewer than batch_size={self.batch_size}; use a smaller val_fraction or batch")
+
+    def _validate_sdc_check(self) -> None:
+        """``sdc_check_every`` compares data-parallel replicas, so it needs a run whose replicas hold the same bits:
+        the whole model on every rank (plain DDP, ZeRO-1/2), all ranks one dp group (a verdict taken in one dp group
+        of a tp/pp/cp mesh would have to be agreed with the others before any rank may stop; not built yet)."""
+        if self.sdc_check_every is None:
+            return
+        positive_int("sdc_check_every", self.sdc_check_every)
+        refused = {"zero": (self.zero, 3, "ZeRO-3 shards the parameters: no two ranks hold the same ones"),
+                   "local_steps": (self.local_steps, None, "local SGD's replicas differ between outer steps by design"),
+                   "ps_servers": (self.ps_servers, None, "a parameter server's workers hold no replicated state"),
+                   "ep": (self.ep, 1, "expert parallelism gives each rank other experts"),
+                   "tp": (self.tp, 1, "replicas are compared within one dp group spanning every rank"),
+                   "pp": (self.pp, 1, "replicas are compared within one dp group spanning every rank"),
+                   "cp": (self.cp, 1, "replicas are compared within one dp group spanning every rank")}
+        for name, (value, plain, why) in refused.items():
+            if (value == plain) if name == "zero" else (value != plain):
+                raise ValueError(f"sdc_check_every={self.sdc_check_every} with {name}={value!r}: {why}; the check "
+                                 f"runs on plain data parallelism (DDP, ZeRO-1/2) so far")
 
     def _validate_checkpointing(self) -> None:
         """Checkpoint flags, the directory, and (``resume``) the checkpoint to resume from, before any rank starts."""

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,22 @@ from workbench.checkpoint.resume import FULL_STATE, find_resume_point, layout_ch
 from workbench.checkpoint.store import export_full_state_dict, list_steps, load, read_manifest, write_atomic
 from workbench.data import ShardedSampler, make_lm_data
 from workbench.dist import comm
-from workbench.dist.faults import maybe_inject, parse_fault, restart_count
+from workbench.dist.faults import bitflip_due, flip_bit, maybe_inject, parse_fault, restart_count
 from workbench.dist.launch import report
 from workbench.dist.mesh import Mesh
+from workbench.dist.notices import notice
 from workbench.models import build_gpt
 from workbench.models.moe import take_moe_stats
 from workbench.parallel import parallelize
 from workbench.training.config import RunConfig
-from workbench.training.health import HealthMonitor, check_disjoint, check_split, split_windows
+from workbench.training.health import (
+    HealthMonitor,
+    check_disjoint,
+    check_split,
+    compare_fingerprints,
+    fingerprint,
+    split_windows,
+)
 from workbench.training.schedule import lr_at, params_sha256  # noqa: F401 (params_sha256: callers import it here)
 
 
@@ -240,6 +247,46 @@ class Trainer:
         with torch.no_grad():
             next(p for p in self.strategy.model.parameters() if p.requires_grad).fill_(float("nan"))
 
+    def flip_bit(self) -> str:
+        """Flip one bit of this rank's first parameter (the ``bitflip:`` fault); returns the parameter's name."""
+        name, param = next((n, p) for n, p in self.strategy.model.named_parameters() if p.requires_grad)
+        before, after = flip_bit(param)
+        notice(f"injected bitflip on rank {comm.group_rank()}: {name}[0] {before:.6g} -> {after:.6g}")
+        return name
+
+    def replicated_state(self) -> tuple[list[str], list[torch.Tensor]]:
+        """What every data-parallel replica must hold bit for bit: the parameters and, where it is replicated (plain
+        DDP: full AdamW state on every rank), the optimizer's state. With ZeRO-1/2 each rank's optimizer state is
+        its own shard, so only the parameters are compared (RunConfig refuses the layouts where even those differ)."""
+        named = list(self.strategy.model.named_parameters())
+        names, tensors = [n for n, _ in named], [p for _, p in named]
+        state = getattr(self.strategy.optimizer, "state", None) if self.cfg.zero == 0 else None
+        for name, param in named if isinstance(state, Mapping) else ():
+            for key, value in sorted(state.get(param, {}).items()):
+                # exp_avg, exp_avg_sq: shaped like the parameter. AdamW's step counter is left out: a scalar that
+                # may live on the CPU beside a GPU parameter, and the step index every rank shares anyway.
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    names.append(f"{name}:{key}")
+                    tensors.append(value)
+        return names, tensors
+
+    def check_replicas(self) -> list[dict[str, Any]]:
+        """Fingerprint ``replicated_state`` here, gather every dp rank's fingerprints (one small all-gather, tag
+        "sdc") and compare: the mismatches (``health.compare_fingerprints``), ranks as global ranks."""
+        group = self.mesh.dp_group
+        world = comm.group_size(group) if comm.is_distributed() else 1
+        names, tensors = self.replicated_state()
+        if world == 1 or not tensors:
+            return []  # one replica agrees with itself
+        with trace.span("sdc check", "other"):
+            mine = fingerprint(tensors, self.device)
+            gathered = torch.empty((world * mine.shape[0], 2), dtype=mine.dtype, device=self.device)
+            comm.all_gather(gathered, mine, group=group, tag="sdc")
+            mismatches = compare_fingerprints(gathered.view(world, -1, 2).tolist(), names)
+        for m in mismatches:
+            m["ranks"] = [comm.global_rank(group, r) for r in m["ranks"]]
+        return mismatches
+
     def roll_back(self, bad_step: int) -> int:
         """Reload the newest checkpoint and skip the batches from there to ``bad_step`` (PaLM's remedy for a
         spike, Chowdhery et al. 2022 §5.1); returns the step rolled back to."""
@@ -284,19 +331,18 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
             metrics["val_loss"] = trainer.validation_loss()
         history.append(metrics)
         report(_streamed(metrics))
-        verdict = health.verdict(metrics, lambda: bool(written) or bool(list_steps(cfg.ckpt_dir)))
-        if verdict is not None:
-            problem, action = verdict
-            if comm.group_rank() == 0:  # every rank reaches the same verdict: say it once
-                warnings.warn(f"step {metrics['step']}: {problem}; action: {action}", stacklevel=1)
-            if action == "stop":
-                stopped_after = metrics["step"]
-                break
-            if action == "rollback":
-                back_to = trainer.roll_back(metrics["step"])
-                health.rolled_back(back_to)
-                history = [m for m in history if m["step"] <= back_to]
-                continue
+        if bitflip_due(fault, comm.group_rank(), metrics["step"]):
+            trainer.flip_bit()
+            fault = None  # once, as every fault
+        action = _health_action(trainer, health, metrics, lambda: bool(written) or bool(list_steps(cfg.ckpt_dir)))
+        if action == "stop":
+            stopped_after = metrics["step"]
+            break
+        if action == "rollback":
+            back_to = trainer.roll_back(metrics["step"])
+            health.rolled_back(back_to)
+            history = [m for m in history if m["step"] <= back_to]
+            continue
         if trainer.checkpoint_due():
             written.append(trainer.save_checkpoint())
         # not after the last step: that run is finished, not preempted (a requeued job would find nothing to train)
@@ -322,8 +368,34 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
             else None,
             "checkpoint": checkpoint, "stopped_after_step": stopped_after, "attempt": restart_count(),
             "health": {"events": health.events, "data_skip": trainer.data_skip,
+                       "sdc": None if cfg.sdc_check_every is None else {
+                           "check_every": cfg.sdc_check_every, "detections": health.sdc},
                        "val_split": None if trainer.split is None else {
                            "train_windows": trainer.split.train, "val_windows": len(trainer.split.val_windows)}}}
+
+
+_SEVERITY = {None: 0, "warn": 1, "rollback": 2, "stop": 3}
+
+
+def _health_action(trainer: Trainer, health: HealthMonitor, metrics: dict[str, Any],
+                   has_checkpoint: Callable[[], bool]) -> str | None:
+    """The step's health verdicts, said once (rank 0; every rank reaches the same ones), and the stronger action.
+
+    The replica check runs every ``sdc_check_every`` steps, and also before every checkpoint and after the last
+    step: a checkpoint is then written only after a passing check, so a rollback never reloads a corrupted replica.
+    Every rank takes the same decision to check (step, due checkpoint), so the all-gather inside is matched."""
+    cfg = trainer.cfg
+    verdicts = [health.verdict(metrics, has_checkpoint)]
+    every = cfg.sdc_check_every
+    if every and (metrics["step"] % every == 0 or trainer.checkpoint_due() or trainer.step_index == cfg.steps):
+        verdicts.append(health.sdc_verdict(metrics["step"], trainer.check_replicas(), has_checkpoint))
+    actions = []
+    for verdict in filter(None, verdicts):
+        problem, action = verdict
+        if comm.group_rank() == 0:
+            notice(f"step {metrics['step']}: {problem}; action: {action}")
+        actions.append(action)
+    return max(actions, key=_SEVERITY.__getitem__, default=None)
 
 
 class StopSignal:
