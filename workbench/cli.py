@@ -426,21 +426,16 @@ def _calc_moe(args: argparse.Namespace) -> tuple[int, int]:
 
 def _print_calc_moe(args: argparse.Namespace, layout: Any, micro: int) -> None:
     """Expert parallelism's rows (``theory.expert.moe_layout``): experts per rank, their memory, capacity and the
-    all-to-all. The memory table above counts every expert on every rank (the calculator prices a dense layout)."""
-    from workbench.theory.expert import expert_param_count, moe_layout
+    all-to-all. The memory table above already holds E/ep experts per rank (``calculator_table``'s ``ep``)."""
+    from workbench.theory.expert import moe_layout, preset_expert_params
     from workbench.theory.models import resolve_preset
 
     experts, top_k = _calc_moe(args)
     if not experts:
         return
     preset = resolve_preset(args.model)
-    d = preset["d_model"]
-    if preset.get("arch") == "llama":  # SwiGLU experts, no biases: gate, up (d -> h) and down (h -> d)
-        hidden = preset.get("ffn_hidden", 4 * d)
-        per_expert = 3 * d * hidden
-    else:
-        hidden = 4 * d
-        per_expert = expert_param_count(d, hidden)
+    d, per_expert = preset["d_model"], preset_expert_params(preset)
+    hidden = preset.get("ffn_hidden", 4 * d)
     seq = args.seq_len or preset["seq_len"]
     value = 4 if args.precision.startswith("fp32") else 2
     row = moe_layout(preset["n_layer"], d, per_expert, experts, top_k, args.ep, layout.dp, micro * seq,
@@ -453,7 +448,8 @@ def _print_calc_moe(args: argparse.Namespace, layout: Any, micro: int) -> None:
     print(f"  experts per rank {row['experts_per_rank']} of {experts}, {row['copies_of_each_shard']} cop"
           f"{'y' if row['copies_of_each_shard'] == 1 else 'ies'} of each shard; expert weights per rank "
           f"{row['expert_param_bytes'] / 2**30:.2f} GiB ({row['expert_param_bytes_unsplit'] / 2**30:.2f} GiB "
-          f"unsplit; the table above counts them unsplit, gradients and optimizer state scale alike)")
+          f"unsplit; the table above holds this rank's share, its ZeRO states sharded over the "
+          f"{layout.shard_group // args.ep} rank(s) holding the same experts)")
     if not micro:
         print("  capacity and all-to-all: pass --batch-size (tokens per rank decide them)")
         return
@@ -485,7 +481,7 @@ def _calc(args: argparse.Namespace) -> None:
                   optimizer=args.optimizer, offload=layout.offload, seq_len=args.seq_len, recompute=args.recompute,
                   device_gb=args.device_gb, tp=layout.tp, sp=layout.sp, pp=layout.pp, schedule=layout.schedule,
                   microbatches=layout.microbatches, virtual_stages=layout.virtual_stages, links=links, cp=layout.cp,
-                  cp_layout=layout.cp_layout)
+                  cp_layout=layout.cp_layout, ep=args.ep, moe_experts=_calc_moe(args)[0])
     table = calculator_table(batch=micro, **kwargs)
     _print_calc(args, layout, table, micro)
     if not micro:
