@@ -1,7 +1,8 @@
 """``workbench`` command line: ``run`` parses its flags into a ``RunConfig`` and hands it to ``workbench.run``,
 which trains on N ranks (gloo on the CPU, or NCCL with one GPU per rank) and writes a summary and a report;
 ``env`` says what this machine offers a run; ``calc`` prints the per-rank memory of a training configuration;
-``bench`` runs the benchmarks; ``ckpt`` lists, verifies and exports a run's checkpoints."""
+``bench`` runs the benchmarks; ``ckpt`` lists, verifies and exports a run's checkpoints; ``labs`` and ``course``
+give a learner the labs and the notebooks to work in."""
 
 from __future__ import annotations
 
@@ -605,14 +606,38 @@ def _print_scaling(args: argparse.Namespace, layout: Any, table: dict[str, Any],
 
 
 def _bench(rest: list[str]) -> int:
-    """Benchmarks live beside the package in a source checkout (they are not installed with it)."""
+    """The benchmarks of the installed course (the wheel's, or the checkout's ``benchmarks/``)."""
     import subprocess
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
-    if not script.exists():
-        print(f"workbench bench needs a source checkout: {script} not found", file=sys.stderr)
+    from workbench.course import benchmarks_dir
+
+    try:
+        script = benchmarks_dir() / "run.py"
+    except FileNotFoundError as exc:
+        print(f"workbench bench: {exc}", file=sys.stderr)
         return 2
     return subprocess.call([sys.executable, str(script), *rest])
+
+
+def _course_parser(sub: Any) -> None:
+    p = sub.add_parser("course", help="copy the course's notebooks and labs into a folder of yours to work in")
+    p.add_argument("folder", help="where to put them (notebooks/ and labs/ inside it)")
+    p.add_argument("--force", action="store_true",
+                   help="into a folder that is not empty: overwrite the course's files there, keep every other file")
+
+
+def _course(args: argparse.Namespace) -> int:
+    from workbench.course import copy_course
+
+    try:
+        copies = copy_course(args.folder, force=args.force)
+    except (FileExistsError, FileNotFoundError, NotADirectoryError) as exc:
+        print(f"workbench course: {exc}", file=sys.stderr)
+        return 2
+    folder = Path(args.folder)
+    print(f"copied {len(copies)} notebooks and labs to {folder}/ (no lab solution among them)\n"
+          f"open them:     jupyter lab {folder}\nstart a lab:   workbench labs start 02 {folder / 'work'}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -625,6 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="what this machine offers a run: torch, backends, GPUs, cores, sensible --nproc")
     env.add_argument("--json", action="store_true", help="print the facts as JSON")
     _labs_parser(sub)
+    _course_parser(sub)
     _ckpt_parser(sub)
     _report_parser(sub)
     return parser
@@ -782,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
         return _labs(parser, args)
     if args.command == "ckpt":
         return _ckpt(args)
+    if args.command == "course":
+        return _course(args)
     if args.command == "report":
         return _report(parser, args)
     elif args.command == "env":

@@ -7,8 +7,9 @@ fails with the checker's pointed message (``LabCheckFailed``) or with the error 
 An error in any other cell is reported too, since later exercises may depend on it. The exit status is 0 only
 when every exercise passed and no cell failed, so a CI job or an autograder can use it.
 
-The lab notebooks ship with the repository (``labs/``), not inside the package (their reference solutions sit
-beside them); ``labs_dir`` finds them beside an editable install, or where ``$WORKBENCH_LABS`` points.
+The lab notebooks ship in the wheel (``workbench/course/labs``, without their reference solutions) and sit in the
+repository's ``labs/`` in a source checkout; ``labs_dir`` finds either (``workbench.course``), or the folder
+``$WORKBENCH_LABS`` points to.
 """
 
 from __future__ import annotations
@@ -25,14 +26,23 @@ CELL_TIMEOUT_S = 600
 
 
 def labs_dir() -> Path:
-    """The folder holding the lab notebooks: ``$WORKBENCH_LABS``, else ``labs/`` beside the package source."""
+    """The folder holding the lab notebooks: ``$WORKBENCH_LABS``, else the installed course's ``labs/`` (in the
+    wheel, or beside the package in a source checkout: ``workbench.course``)."""
+    from workbench.course import course_root
+
     env = os.environ.get("WORKBENCH_LABS")
-    candidates = [Path(env)] if env else [Path(__file__).resolve().parents[2] / "labs"]
+    if env:
+        candidates = [Path(env)]
+    else:
+        try:
+            candidates = [course_root() / "labs"]
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"no lab notebooks: {error}; or set WORKBENCH_LABS to a folder of them") from None
     for folder in candidates:
         if folder.is_dir() and any(folder.glob("*.ipynb")):
             return folder
-    raise FileNotFoundError(f"no lab notebooks in {', '.join(map(str, candidates))}: the labs ship with the "
-                            "workbench repository (its labs/ folder); set WORKBENCH_LABS to that folder")
+    raise FileNotFoundError(f"no lab notebooks in {', '.join(map(str, candidates))}: set WORKBENCH_LABS to a "
+                            "folder of them, or reinstall the package")
 
 
 def available() -> dict[str, Path]:
