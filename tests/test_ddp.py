@@ -85,7 +85,7 @@ def _equivalence_rank(world: int) -> dict:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])  # 4 ranks: test_train_cli too
 def test_every_variant_matches_single_process(world):
     results = launch(_equivalence_rank, world, world, timeout=60)
     for name in ("mlp", "gpt"):

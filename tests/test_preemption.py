@@ -91,6 +91,7 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> str:
     return log.read_text()
 
 
+@pytest.mark.extended  # the test command keeps the signal-during-a-write cases; the GPU lane preempts a CUDA run
 def test_sigterm_stops_at_one_step_checkpoints_and_a_resume_matches_an_unbroken_run(tmp_path: Path) -> None:
     ckpt, marker, log = tmp_path / "ckpt", uuid.uuid4().hex, tmp_path / "log"
     slow = ["--straggler", "rank=1:factor=4"]  # ~0.1 s a step: 20 steps after the signal

@@ -41,6 +41,7 @@ def test_resume_on_another_layout_continues_the_run(saved: dict, resumed: dict, 
     assert after["history"][0]["grad_norm"] == pytest.approx(full["history"][4]["grad_norm"], rel=2e-4)
 
 
+@pytest.mark.extended  # the test command gathers shards in test_ckpt_cli's export and notebook 10's resume
 def test_the_gathered_full_state_equals_one_process_adam_state(tmp_path: Path) -> None:
     """The moments gathered from dp=2 ZeRO-3 shards (and ZeRO-1 buckets) are, by parameter name, the moments one
     process's AdamW holds after the same steps: the resharding itself adds no error."""

@@ -127,6 +127,7 @@ def _references() -> dict:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.extended  # the test command keeps each stage against one process through test_train_cli's runs
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_stage_matches_single_process(world):
     results = launch(_matrix_rank, world, world, timeout=60)
