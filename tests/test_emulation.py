@@ -253,6 +253,7 @@ def test_a_straggler_holds_everyone_back_and_the_report_names_it(tmp_path) -> No
     assert "emulated: rank=1:factor=4" in report
 
 
+@pytest.mark.extended  # the test command has notebook 12's TP inside vs across nodes, measured and asserted
 def test_tp_across_nodes_moves_the_same_bytes_over_the_slow_link() -> None:
     """Block placement keeps each tp pair on one node; cyclic deals it across both. Same run, same numbers: the tp
     and dp ops only trade link classes (every op is charged on the link its group crosses)."""
