@@ -118,3 +118,17 @@ def test_bad_layout_is_one_line_exit_2(flags: list[str], message: str, capsys: p
     last = err.strip().splitlines()[-1]  # the usage, then one line: the error
     assert "error:" in last and message in last, err
     assert "Traceback" not in err and err.count("error:") == 1
+
+
+@pytest.mark.parametrize("memory_layout", ["classic", "amp"])
+def test_calc_prices_and_names_the_memory_layout(memory_layout: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """ZeRO-1 in bf16: the classic layout keeps 2 + 2 bytes a parameter replicated, the trainer's amp 4 + 4."""
+    from workbench.theory.memory import model_state_bytes
+
+    assert main(["calc", "--model", "llama-7B", "--nproc", "8", "--zero", "1", "--precision", "bf16",
+                 "--memory-layout", memory_layout]) == 0
+    out = capsys.readouterr().out
+    assert f"bf16 ({memory_layout} layout)" in out and f"note: memory layout {memory_layout!r}" in out
+    n = 6_738_415_616
+    for category, nbytes in model_state_bytes(n, 8, 1, "bf16", memory_layout=memory_layout).items():
+        assert _number(out, category) == pytest.approx(nbytes / 2**30, abs=0.01)  # printed with 2 decimals

@@ -49,3 +49,41 @@ def test_calc_prints_without_importing_widgets_or_plotly() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "llama-7B" in proc.stdout
+
+
+# --- precision names: one table (theory.precisions) for run, calc, the trainer and the theory ------------------
+
+
+def _precision_action(command: str, flag: str = "--precision"):
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    return next(a for a in sub.choices[command]._actions if flag in a.option_strings)
+
+
+def test_run_and_calc_take_the_same_precision_names_as_the_trainer_and_the_theory() -> None:
+    from workbench.parallel.precision import PRECISIONS as TRAINER_PRECISIONS
+    from workbench.theory.memory import PRECISIONS as THEORY_PRECISIONS
+    from workbench.theory.precisions import ACCEPTED_PRECISIONS, PRECISION_NAMES
+
+    run, calc = _precision_action("run"), _precision_action("calc")
+    assert tuple(run.choices) == tuple(calc.choices) == PRECISION_NAMES == tuple(TRAINER_PRECISIONS)
+    assert run.type is calc.type
+    assert THEORY_PRECISIONS == set(ACCEPTED_PRECISIONS)
+    assert tuple(_precision_action("run", "--reduce-dtype").choices) == PRECISION_NAMES
+
+
+@pytest.mark.parametrize("given", ["fp32", "bf16", "fp16", "bf16-mixed", "fp16-mixed"])
+def test_every_accepted_precision_parses_to_one_name_in_run_calc_and_run_config(given: str) -> None:
+    from workbench.theory.precisions import canonical_precision
+
+    want = canonical_precision(given)
+    assert _parsed("--precision", given).precision == want
+    assert build_parser().parse_args(["calc", "--precision", given]).precision == want
+    assert RunConfig(precision=given).precision == want
+
+
+def test_an_unknown_precision_is_refused_by_both_commands_naming_the_valid_ones(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("run", "calc"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--precision", "fp8"])
+        assert "invalid choice: 'fp8' (choose from 'fp32', 'bf16', 'fp16')" in capsys.readouterr().err

@@ -270,3 +270,42 @@ def test_fp8_linear_forward_and_backward_with_and_without_scaling() -> None:
     assert gw.shape == w.shape and float((gx - want_gx).norm() / want_gx.norm()) < 0.2
     gx0, gw0 = torch.autograd.grad(P.fp8_linear(x, w, scaled=False), (x, w), grad_out)
     assert float(gx0.abs().max()) == 0.0 and float(gw0.abs().max()) == 0.0
+
+
+# --- the trainer's memory ledger against theory's "amp" layout ------------------------------------------------
+
+
+def _bf16_ledger_rank() -> dict:
+    """One bf16 step of the real trainer at every ZeRO stage on 2 ranks: its ledger peaks and parameter count."""
+    from workbench.train import RunConfig
+    from workbench.training.trainer import Trainer
+
+    out = {}
+    for zero in (0, 1, 2, 3):
+        tracer = trace.Tracer(torch.distributed.get_rank(), 2)
+        with trace.tracing(tracer):
+            trainer = Trainer(RunConfig(nproc=2, zero=zero, precision="bf16", steps=1, batch_size=4, seq_len=16))
+            trainer.step()
+        out[zero] = {"peak": dict(tracer.memory.peak), "n_params": trainer.n_params}
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_the_trainers_bf16_ledger_is_theorys_amp_layout_not_the_classic_one() -> None:
+    """``workbench run --precision bf16`` keeps fp32 parameters and gradients under autocast: theory's "amp"
+    layout (4 + 4 + 8 bytes a parameter, ZeRO-1 keeping 8 of them replicated), not the classic 2 + 2 + 4 + 8."""
+    from workbench.theory.memory import model_state_bytes
+
+    world = 2
+    for got in launch(_bf16_ledger_rank, world, timeout=60):
+        for zero, r in got.items():
+            amp = model_state_bytes(r["n_params"], world, zero, "bf16", memory_layout="amp")
+            classic = model_state_bytes(r["n_params"], world, zero, "bf16", memory_layout="classic")
+            # ZeRO's flat shards pad each bucket or unit to a multiple of the world: at most world - 1 fp32 elements
+            # per piece (the tiny GPT has fewer than 16 pieces) per copy, the Adam state holding two copies.
+            slack = 4 * (world - 1) * 16
+            for category, copies in (("parameters", 1), ("gradients", 1), ("optimizer_state", 2)):
+                assert 0 <= r["peak"][category] - amp[category] <= slack * copies, (zero, category, r["peak"], amp)
+            measured = sum(r["peak"][c] for c in ("parameters", "gradients", "optimizer_state"))
+            if zero in (1, 2):  # where the layouts part: the trainer holds more than the classic layout prices
+                assert measured > sum(classic.values()) + slack, (zero, measured, classic)

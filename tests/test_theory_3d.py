@@ -14,7 +14,7 @@ from workbench.theory.comm import (
     sp_block_volume,
     tp_block_volume,
 )
-from workbench.theory.memory import activation_bytes, model_state_bytes, offloaded_bytes
+from workbench.theory.memory import activation_bytes, llama_activation_bytes, model_state_bytes, offloaded_bytes
 from workbench.theory.models import MODEL_PRESETS
 from workbench.theory.parallelism import (
     DEFAULT_LINKS,
@@ -34,8 +34,11 @@ LLAMA7 = MODEL_PRESETS["llama-7B"]
 
 def _act(name: str, b: int, p: int = 2, recompute: str = "none", tp: int = 1, sp: bool = False,
          s: int | None = None) -> float:
-    """One layer of a preset, from memory.activation_bytes directly."""
+    """One layer of a preset, from memory.activation_bytes (GPT shapes) or llama_activation_bytes directly."""
     m = MODEL_PRESETS[name]
+    if m.get("mlp") == "swiglu":
+        return llama_activation_bytes(b, s or m["seq_len"], m["d_model"], 1, m["n_head"], m["n_kv_head"],
+                                      m["ffn_hidden"], p, recompute, tp, sp)
     return activation_bytes(b, s or m["seq_len"], m["d_model"], 1, m["n_head"], p, recompute, dropout=m["dropout"],
                             tp=tp, sequence_parallel=sp)
 

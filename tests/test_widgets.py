@@ -55,7 +55,7 @@ def test_widget_builds_and_reacts():
     assert isinstance(w, widgets.VBox)
     n = MODEL_PRESETS["llama-7B"]["n_params"]
     c = w.controls
-    c["precision"].value, c["optimizer"].value, c["dp"].value, c["zero_stage"].value = "bf16-mixed", "adamw", 8, 0
+    c["precision"].value, c["optimizer"].value, c["dp"].value, c["zero_stage"].value = "bf16", "adamw", 8, 0
     assert w.table["total_bytes"] == pytest.approx(16 * n)
     c["zero_stage"].value = 3
     assert w.table["total_bytes"] == pytest.approx(16 * n / 8)

@@ -20,6 +20,7 @@ from workbench.parallel.recompute import RECOMPUTE_MODES as RUN_RECOMPUTE_MODES
 from workbench.run import PREEMPTED_EXIT_CODE, comm_group_labels, run_training, summarize, write_outputs
 from workbench.theory.compression import COMPRESSIONS
 from workbench.theory.pipeline import SCHEDULES
+from workbench.theory.precisions import PRECISION_NAMES, parse_precision
 
 #: The run itself lives in ``workbench.run``; these names are kept here, where notebooks and scripts import them.
 __all__ = ["build_parser", "comm_group_labels", "main", "run_training", "summarize", "write_outputs"]
@@ -118,9 +119,11 @@ def _run_parser(sub: Any) -> None:
                    help="activation recomputation: selective (the attention core) or full (every block)")
     p.add_argument("--moe-aux-loss-coef", type=float, default=0.01,
                    help="--moe-experts: the load-balancing loss's coefficient (Switch Transformers: 0.01)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="compute dtype; fp32 master weights and optimizer state; fp16 adds a dynamic loss scaler")
-    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--precision", type=parse_precision, choices=PRECISION_NAMES, default="fp32",
+                   help="compute dtype; fp32 master weights and optimizer state; fp16 adds a dynamic loss scaler "
+                        "(bf16-mixed and fp16-mixed are accepted for bf16 and fp16: theory.precisions, shared with "
+                        "calc)")
+    p.add_argument("--reduce-dtype", choices=PRECISION_NAMES, default="fp32",
                    help="dtype gradients are reduced in: fp32 (default) or the compute dtype (needs --zero 3)")
     p.add_argument("--init-loss-scale", type=float, default=2.0 ** 16,
                    help="fp16: the dynamic loss scaler's first scale (halved on inf/NaN, doubled after clean steps)")
@@ -320,7 +323,7 @@ def _run_topology_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _calc_parser(sub: Any) -> None:
-    from workbench.theory.memory import OPTIMIZERS, PRECISIONS, RECOMPUTE_MODES
+    from workbench.theory.memory import DEFAULT_LAYOUT, MEMORY_LAYOUTS, OPTIMIZERS, RECOMPUTE_MODES
     from workbench.theory.parallelism import DEFAULT_LINKS
 
     p = sub.add_parser("calc", help="per-rank memory, pipeline bubble and communication of a layout (theory)",
@@ -331,7 +334,13 @@ def _calc_parser(sub: Any) -> None:
     _strategy_flags(p)
     p.set_defaults(batch_size=None, moe_experts=None, moe_top_k=None)  # None: the preset's (a dense one: 0)
     p.add_argument("--model", default="llama-7B", help="a preset of workbench.theory.models.MODEL_PRESETS")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
+    p.add_argument("--precision", type=parse_precision, choices=PRECISION_NAMES, default="bf16",
+                   help="compute dtype, the names `workbench run` takes (bf16-mixed and fp16-mixed are accepted "
+                        "for bf16 and fp16)")
+    p.add_argument("--memory-layout", choices=list(MEMORY_LAYOUTS), default=DEFAULT_LAYOUT,
+                   help="where bf16/fp16 keep model states: classic (16-bit parameters and gradients + fp32 master, "
+                        "2+2+4+8 bytes a parameter; Megatron, DeepSpeed) or amp (fp32 parameters and gradients "
+                        "under autocast, 4+4+8: what `workbench run` trains); they differ under ZeRO-1/2")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recomputation")
     p.add_argument("--device-gb", type=float, default=80.0, help="device memory in GiB, for 'fits'")
@@ -482,7 +491,8 @@ def _calc(args: argparse.Namespace) -> None:
                   optimizer=args.optimizer, offload=layout.offload, seq_len=args.seq_len, recompute=args.recompute,
                   device_gb=args.device_gb, tp=layout.tp, sp=layout.sp, pp=layout.pp, schedule=layout.schedule,
                   microbatches=layout.microbatches, virtual_stages=layout.virtual_stages, links=links, cp=layout.cp,
-                  cp_layout=layout.cp_layout, ep=args.ep, moe_experts=_calc_moe(args)[0])
+                  cp_layout=layout.cp_layout, ep=args.ep, moe_experts=_calc_moe(args)[0],
+                  memory_layout=args.memory_layout)
     table = calculator_table(batch=micro, **kwargs)
     _print_calc(args, layout, table, micro)
     if not micro:
@@ -521,11 +531,17 @@ def _calc_links(args: argparse.Namespace, layout: Any) -> tuple[dict[str, Any], 
     return {**axis_links(topology, **sizes), **explicit}, placement
 
 
+def _layout_label(args: argparse.Namespace) -> str:
+    """" (classic layout)" after a mixed precision: the header says which memory layout the formula prices."""
+    return "" if args.precision == "fp32" else f" ({args.memory_layout} layout)"
+
+
 def _print_calc(args: argparse.Namespace, layout: Any, table: dict[str, Any], micro: int) -> None:
     cp = f" x cp {layout.cp} ({layout.cp_layout})" if layout.cp > 1 else ""
     axes = f"dp {layout.dp}{cp} x tp {layout.tp}{' (+sp)' if layout.sp else ''} x pp {layout.pp}"
     print(f"{table['model']}: {table['n_params']:,} parameters, nproc={layout.nproc} = {axes}, ZeRO-{layout.zero_stage}"
-          f"{' + offload' if layout.offload else ''}, {args.precision}, {args.optimizer}  [{table['formula']}]")
+          f"{' + offload' if layout.offload else ''}, {args.precision}{_layout_label(args)}, {args.optimizer}  "
+          f"[{table['formula']}]")
     worst = table["stages"][table["worst_stage"]]
     if layout.pp > 1:
         print(f"per rank on pipeline rank {worst['pp_rank']} (stages {worst['stages']}, {worst['layers']} layers; "
@@ -538,6 +554,8 @@ def _print_calc(args: argparse.Namespace, layout: Any, table: dict[str, Any], mi
     print(f"  {'total per rank':<16} {table['total_gib']:10.2f} GiB")
     print(f"  fits in {table['device_gib']:g} GiB: {'yes' if table['fits'] else 'NO'}"
           + (f"  (offloaded to CPU: {table['cpu_gib']:.2f} GiB per rank)" if table["cpu_gib"] else ""))
+    for note in table["notes"]:  # the memory layout, a Llama shape, K/V heads replicated past tp = n_kv_head
+        print(f"  note: {note}")
 
 
 def _print_calc_pipeline_and_comm(table: dict[str, Any], layout: Any) -> None:
@@ -575,7 +593,8 @@ def _print_scaling(args: argparse.Namespace, layout: Any, table: dict[str, Any],
     seq = args.seq_len or MODEL_PRESETS[args.model]["seq_len"]
     shard = table["n_params"] / model_parallel  # parameters (and gradients) per rank
     compute = 6 * shard * (args.batch_size / layout.dp) * seq / (GPU_PEAK_FLOPS[args.gpu] * args.mfu)
-    grad_bytes = shard * (2 if "16" in args.precision else 4)
+    # the gradients' dtype: 16-bit only in the classic mixed layout (amp's gradients are fp32, reduced in fp32)
+    grad_bytes = shard * (2 if args.precision != "fp32" and args.memory_layout == "classic" else 4)
     per_node = layout.nproc // (args.nodes or 1) if args.nodes else 8
     dp_per_node = max(1, per_node // model_parallel)
     intra, inter = args.intra_link or LINK_PRESETS["nvlink"], args.inter_link or LINK_PRESETS["infiniband"]

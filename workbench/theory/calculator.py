@@ -9,11 +9,19 @@ from __future__ import annotations
 
 from workbench.theory.composition import check_composition
 from workbench.theory.expert import check_ep, preset_expert_params
-from workbench.theory.memory import formula, model_state_bytes, offloaded_bytes, to_unit
+from workbench.theory.memory import (
+    DEFAULT_LAYOUT,
+    MEMORY_LAYOUTS,
+    formula,
+    model_state_bytes,
+    offloaded_bytes,
+    to_unit,
+)
 from workbench.theory.models import MODEL_PRESETS
 from workbench.theory.parallelism import Layout, Link, analyze_layout
 from workbench.theory.pipeline import bubble_fraction
 from workbench.theory.pipeline import validate as validate_schedule
+from workbench.theory.precisions import is_mixed
 
 CUSTOM = "custom"  # a model given by its parameter count alone (custom_params_b)
 
@@ -53,6 +61,7 @@ def calculator_table(
     cp_layout: str = "zigzag",
     ep: int = 1,
     moe_experts: int | None = None,
+    memory_layout: str = DEFAULT_LAYOUT,
 ) -> dict:
     """Per-rank memory for one configuration, as plain numbers.
 
@@ -70,19 +79,25 @@ def calculator_table(
     A mixture of experts (``moe_experts``, default the preset's) with expert parallelism ``ep`` (borrowed from dp,
     ``theory.expert``): each rank holds E/ep of every layer's experts, and ZeRO shards those over the dp·cp/ep ranks
     holding the same experts, the rest of the model over dp·cp as before (``_split_experts``).
+
+    ``memory_layout`` (``theory.memory.MEMORY_LAYOUTS``) says where mixed precision keeps its model states:
+    "classic" (16-bit parameters and gradients, fp32 master; the default) or "amp" (fp32 parameters and gradients
+    under autocast: what ``workbench run`` trains). The notes name the one priced.
     """
     layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero_stage=zero_stage, schedule=schedule,
                     microbatches=microbatches, virtual_stages=virtual_stages, offload=offload, cp=cp,
                     cp_layout=cp_layout)
     if model == CUSTOM:
-        return _custom_table(layout, custom_params_b, precision, optimizer, batch, device_gb)
+        return _custom_table(layout, custom_params_b, precision, optimizer, batch, device_gb, memory_layout)
     n_params = n_params_of(model, custom_params_b)
-    result = analyze_layout(model, layout, precision, optimizer, batch, seq_len, recompute, links)
+    result = analyze_layout(model, layout, precision, optimizer, batch, seq_len, recompute, links,
+                            memory_layout=memory_layout)
     memory = result["memory"]
-    notes: list[str] = []
+    notes = _shape_notes(MODEL_PRESETS[model], layout, precision, memory_layout)
     experts = MODEL_PRESETS[model].get("moe_experts", 0) if moe_experts is None else moe_experts
     if experts:
-        memory = _split_experts(memory, MODEL_PRESETS[model], layout, experts, ep, precision, optimizer)
+        memory = _split_experts(memory, MODEL_PRESETS[model], layout, experts, ep, precision, optimizer,
+                                memory_layout)
         notes.append(f"experts: {experts // ep} of {experts} per rank and layer (ep={ep}), ZeRO over the "
                      f"{layout.shard_group // ep} rank(s) holding the same ones; the dp row's traffic still counts "
                      f"every parameter over dp")
@@ -95,13 +110,29 @@ def calculator_table(
     stages = [{k: r[k] for k in ("pp_rank", "stages", "layers", "params", "peak_in_flight", "total")}
               for r in memory["ranks"]]
     return _finish_table(model, n_params, dict(memory["per_rank"]), worst["cpu"], layout, device_gb, precision,
-                         optimizer, notes, stages=stages, worst_stage=memory["worst"], bubble=result["bubble"],
-                         peak_in_flight=[r["peak_in_flight"] for r in memory["ranks"]], comm=result["comm"],
-                         comm_micro_batch=result["comm_micro_batch"])
+                         optimizer, notes, memory_layout, stages=stages, worst_stage=memory["worst"],
+                         bubble=result["bubble"], peak_in_flight=[r["peak_in_flight"] for r in memory["ranks"]],
+                         comm=result["comm"], comm_micro_batch=result["comm_micro_batch"])
+
+
+def _shape_notes(shape: dict, layout: Layout, precision: str, memory_layout: str) -> list[str]:
+    """What the table assumes that a reader could take for something else: the memory layout of a mixed precision,
+    a Llama shape's SwiGLU and GQA, and K/V heads replicated when tp exceeds them."""
+    notes = []
+    if is_mixed(precision):
+        notes.append(f"memory layout {memory_layout!r}: {MEMORY_LAYOUTS[memory_layout]}")
+    if shape.get("mlp") == "swiglu":
+        notes.append(f"Llama shape: SwiGLU MLP of {shape['ffn_hidden']}, {shape['n_kv_head']} K/V heads of "
+                     f"{shape['n_head']} (grouped-query attention), untied head")
+    kv = shape.get("n_kv_head", shape["n_head"])
+    if layout.tp > kv:
+        notes.append(f"tp={layout.tp} > n_kv_head={kv}: each K/V head is replicated on {layout.tp // kv} tp ranks "
+                     f"(its weights, gradients, states and K/V activations priced on each)")
+    return notes
 
 
 def _split_experts(memory: dict, shape: dict, layout: Layout, experts: int, ep: int, precision: str,
-                   optimizer: str) -> dict:
+                   optimizer: str, memory_layout: str = DEFAULT_LAYOUT) -> dict:
     """``layout_memory``'s ranks re-priced for expert parallelism: a pipeline rank's expert parameters (its layers
     × E experts, split by tp like any matmul) become E/ep of them, sharded by ZeRO over dp·cp/ep ranks; the dense
     rest keeps dp·cp. Activations are left as they were (the dense MLP's estimate)."""
@@ -112,7 +143,7 @@ def _split_experts(memory: dict, shape: dict, layout: Layout, experts: int, ep: 
     for r in memory["ranks"]:
         expert = round(r["layers"] * experts * per_expert / layout.tp)
         dense, local = r["params"] - expert, expert // ep
-        args = (layout.zero_stage, precision, optimizer, layout.offload)
+        args = (layout.zero_stage, precision, optimizer, layout.offload, memory_layout)
         states = {k: model_state_bytes(dense, group, *args)[k] + model_state_bytes(local, group // ep, *args)[k]
                   for k in model_state_bytes(dense, group, *args)}
         cpu = {k: offloaded_bytes(dense, group, *args)[k] + offloaded_bytes(local, group // ep, *args)[k]
@@ -126,33 +157,35 @@ def _split_experts(memory: dict, shape: dict, layout: Layout, experts: int, ep: 
 
 
 def _custom_table(layout: Layout, custom_params_b: float | None, precision: str, optimizer: str, batch: int,
-                  device_gb: float) -> dict:
+                  device_gb: float, memory_layout: str) -> dict:
     """A size without a shape: parameters split evenly over tp x pp, no activations, no tp/pp traffic."""
     n_params = n_params_of(CUSTOM, custom_params_b)
     validate_schedule(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     check_composition(layout.combination(), meaningless_only=True)
     local = n_params / (layout.tp * layout.pp)
-    per_rank = model_state_bytes(local, layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
-    cpu = offloaded_bytes(local, layout.dp, layout.zero_stage, precision, optimizer, layout.offload)
-    notes = ["activations need a model shape: pick a preset to include them"] if batch else []
+    args = (layout.dp, layout.zero_stage, precision, optimizer, layout.offload, memory_layout)
+    per_rank, cpu = model_state_bytes(local, *args), offloaded_bytes(local, *args)
+    notes = [f"memory layout {memory_layout!r}: {MEMORY_LAYOUTS[memory_layout]}"] if is_mixed(precision) else []
+    if batch:
+        notes.append("activations need a model shape: pick a preset to include them")
     if layout.tp * layout.pp > 1:
         notes.append("custom size: parameters split evenly over tp x pp; pick a preset for tp/pp traffic")
     return _finish_table(CUSTOM, n_params, per_rank, cpu, layout, device_gb, precision, optimizer, notes,
-                         stages=[], worst_stage=0, peak_in_flight=[],
+                         memory_layout, stages=[], worst_stage=0, peak_in_flight=[],
                          bubble=bubble_fraction(layout.schedule, layout.pp, layout.microbatches,
                                                 layout.virtual_stages), comm={}, comm_micro_batch=0)
 
 
 def _finish_table(model: str, n_params: int, per_rank: dict, cpu: dict, layout: Layout, device_gb: float,
-                  precision: str, optimizer: str, notes: list[str], **extra) -> dict:
+                  precision: str, optimizer: str, notes: list[str], memory_layout: str, **extra) -> dict:
     total = sum(per_rank.values())
     return {
         "model": model, "n_params": n_params, "per_rank": per_rank, "cpu": cpu,
         "total_bytes": total, "total_gib": to_unit(total, "GiB"),
         "cpu_gib": to_unit(sum(cpu.values()), "GiB"), "device_gib": float(device_gb),
         "fits": to_unit(total, "GiB") <= device_gb,
-        "formula": formula(layout.zero_stage, precision, optimizer, layout.offload), "notes": notes,
-        "nproc": layout.nproc, **extra,
+        "formula": formula(layout.zero_stage, precision, optimizer, layout.offload, memory_layout), "notes": notes,
+        "memory_layout": memory_layout, "nproc": layout.nproc, **extra,
     }
 
 

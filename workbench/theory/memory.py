@@ -6,6 +6,12 @@ parameters, 2Ψ of 16-bit gradients and KΨ = 12Ψ of optimizer state (a 4Ψ fp3
 momentum and 4Ψ variance). ZeRO stage 1 shards the K term over the N data-parallel ranks, stage 2 also
 the gradients, stage 3 also the parameters. Pure fp32 training has no separate master copy: 4Ψ + 4Ψ + 8Ψ.
 
+Mixed precision has two memory layouts (``MEMORY_LAYOUTS``), and every function here takes the one it prices:
+"classic" is the paper's above (16-bit parameters and gradients beside an fp32 master; Megatron, DeepSpeed);
+"amp" is what ``workbench run --precision bf16|fp16`` trains (torch autocast over fp32 parameters, which are the
+masters: 4Ψ + 4Ψ + 8Ψ, the fp32 bytes). Both hold 16Ψ unsharded and 16Ψ/N under ZeRO-3, but not under ZeRO-1/2:
+there "amp" keeps 8Ψ replicated at stage 1 (4Ψ at stage 2) where "classic" keeps 4Ψ (2Ψ).
+
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", §4, which the Ultra-Scale Playbook also uses.
 
@@ -16,8 +22,20 @@ tests can all call it. Bytes are per rank unless a name says otherwise.
 from __future__ import annotations
 
 from workbench.theory.checks import positive_int
+from workbench.theory.precisions import ACCEPTED_PRECISIONS, canonical_precision
 
-PRECISIONS: frozenset[str] = frozenset({"fp32", "bf16-mixed", "fp16-mixed"})
+# Every accepted name (canonical "fp32", "bf16", "fp16" and the aliases "bf16-mixed", "fp16-mixed"):
+# ``theory.precisions`` is the one table, shared with `workbench run`.
+PRECISIONS: frozenset[str] = frozenset(ACCEPTED_PRECISIONS)
+
+# Where a mixed-precision run keeps its model states. fp32 runs have one layout (4 + 4 + 8), whichever is named.
+MEMORY_LAYOUTS: dict[str, str] = {
+    "classic": "16-bit parameters and gradients + an fp32 master copy + fp32 optimizer state (Micikevicius et al. "
+               "2018, the ZeRO paper, Megatron, DeepSpeed): 2 + 2 + 4 + 8 bytes a parameter with AdamW",
+    "amp": "fp32 parameters and gradients (the masters) under torch autocast + fp32 optimizer state, what "
+           "`workbench run` trains: 4 + 4 + 8 bytes a parameter with AdamW",
+}
+DEFAULT_LAYOUT = "classic"  # the published accounting; pass memory_layout="amp" to price what the trainer holds
 
 # Number of fp32 state tensors, each the size of the parameters, that the optimizer keeps.
 # AdamW: exp_avg and exp_avg_sq (Loshchilov & Hutter 2019); SGD with momentum: the momentum buffer.
@@ -50,28 +68,34 @@ def _check_choice(name: str, value: object, choices) -> None:
         raise ValueError(f"unknown {name} {value!r}; valid choices: {valid}")
 
 
-def _check_config(n_params: int, dp: int, zero_stage: int, precision: str, optimizer: str) -> None:
+def _check_config(n_params: int, dp: int, zero_stage: int, precision: str, optimizer: str,
+                  memory_layout: str = DEFAULT_LAYOUT) -> None:
     if isinstance(n_params, bool) or not isinstance(n_params, int | float) or n_params < 0:
         raise ValueError(f"n_params must be a non-negative number, got {n_params!r}")
     positive_int("dp", dp)
     _check_choice("zero_stage", zero_stage, ZERO_STAGES)
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
+    _check_choice("memory_layout", memory_layout, MEMORY_LAYOUTS)
 
 
-def _replicated_bytes(n_params: float, precision: str, optimizer: str) -> dict[str, float]:
-    """Bytes of each category for one full, unsharded copy (ZeRO paper §3.1, §5.1)."""
-    states = 4.0 * OPTIMIZERS[optimizer] * n_params  # fp32 states whatever the compute precision
-    if precision == "fp32":
-        return {"parameters": 4.0 * n_params, "gradients": 4.0 * n_params, "optimizer_state": states}
-    # bf16/fp16 mixed: 16-bit params and grads; the fp32 master copy is what the optimizer updates.
+def state_bytes_per_param(precision: str = "fp32", optimizer: str = "adamw",
+                          memory_layout: str = DEFAULT_LAYOUT) -> dict[str, float]:
+    """Bytes per parameter of each model-state category, unsharded (ZeRO paper §3.1, §5.1), in ``memory_layout``.
+
+    >>> state_bytes_per_param("bf16", memory_layout="classic")
+    {'parameters': 2.0, 'gradients': 2.0, 'master_weights': 4.0, 'optimizer_state': 8.0}
+    >>> state_bytes_per_param("bf16", memory_layout="amp")
+    {'parameters': 4.0, 'gradients': 4.0, 'optimizer_state': 8.0}
+    """
+    _check_config(1, 1, 0, precision, optimizer, memory_layout)
+    states = 4.0 * OPTIMIZERS[optimizer]  # fp32 states whatever the compute precision
+    if canonical_precision(precision) == "fp32" or memory_layout == "amp":
+        # fp32, or autocast over fp32 parameters: the parameters are the masters, gradients land in fp32 .grad
+        return {"parameters": 4.0, "gradients": 4.0, "optimizer_state": states}
+    # classic: 16-bit params and grads; the fp32 master copy is what the optimizer updates.
     # (The fp16 loss scaler is one scalar, so both mixed modes cost the same bytes.)
-    return {
-        "parameters": 2.0 * n_params,
-        "gradients": 2.0 * n_params,
-        "master_weights": 4.0 * n_params,
-        "optimizer_state": states,
-    }
+    return {"parameters": 2.0, "gradients": 2.0, "master_weights": 4.0, "optimizer_state": states}
 
 
 def _sharded_categories(zero_stage: int) -> set[str]:
@@ -103,10 +127,10 @@ def _offloaded_categories(zero_stage: int, offload: bool) -> set[str]:
     return moved
 
 
-def _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer) -> dict[str, float]:
-    _check_config(n_params, dp, zero_stage, precision, optimizer)
+def _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer, memory_layout) -> dict[str, float]:
+    _check_config(n_params, dp, zero_stage, precision, optimizer, memory_layout)
     sharded = _sharded_categories(zero_stage)
-    full = _replicated_bytes(float(n_params), precision, optimizer)
+    full = {k: b * float(n_params) for k, b in state_bytes_per_param(precision, optimizer, memory_layout).items()}
     return {k: (v / dp if k in sharded else v) for k, v in full.items()}
 
 
@@ -117,8 +141,12 @@ def model_state_bytes(
     precision: str = "fp32",
     optimizer: str = "adamw",
     offload: bool = False,
+    memory_layout: str = DEFAULT_LAYOUT,
 ) -> dict[str, float]:
-    """Device bytes per rank for parameters, gradients, optimizer_state (and master_weights if mixed).
+    """Device bytes per rank for parameters, gradients, optimizer_state (and master_weights in the classic
+    mixed layout): the one model-state price, used by ``theory.parallelism``, the calculator, `workbench calc`, the
+    notebooks and the tests that hold the trainer's ledger to it. ``memory_layout`` is one of ``MEMORY_LAYOUTS``: "amp"
+    for what `workbench run` holds, "classic" (the default) for the ZeRO paper's 16-bit parameters and gradients.
 
     With `offload=True` the categories moved to the CPU are still present, as 0.0, so a figure keeps the
     same stack; `offloaded_bytes` returns what went to the CPU instead.
@@ -126,7 +154,7 @@ def model_state_bytes(
     >>> model_state_bytes(10**9)["optimizer_state"]  # fp32 Adam: 8 bytes per parameter
     8000000000.0
     """
-    per_rank = _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer)
+    per_rank = _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer, memory_layout)
     moved = _offloaded_categories(zero_stage, offload)
     return {k: (0.0 if k in moved else v) for k, v in per_rank.items()}
 
@@ -138,9 +166,10 @@ def offloaded_bytes(
     precision: str = "fp32",
     optimizer: str = "adamw",
     offload: bool = True,
+    memory_layout: str = DEFAULT_LAYOUT,
 ) -> dict[str, float]:
     """CPU bytes per rank under offload, same keys as `model_state_bytes` (0.0 where nothing moved)."""
-    per_rank = _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer)
+    per_rank = _per_rank_bytes(n_params, dp, zero_stage, precision, optimizer, memory_layout)
     moved = _offloaded_categories(zero_stage, offload)
     return {k: (v if k in moved else 0.0) for k, v in per_rank.items()}
 
@@ -153,9 +182,10 @@ def total_bytes(
     optimizer: str = "adamw",
     offload: bool = False,
     activations: float = 0.0,
+    memory_layout: str = DEFAULT_LAYOUT,
 ) -> float:
     """Device bytes per rank: model states plus `activations` (e.g. from `activation_bytes`)."""
-    states = model_state_bytes(n_params, dp, zero_stage, precision, optimizer, offload)
+    states = model_state_bytes(n_params, dp, zero_stage, precision, optimizer, offload, memory_layout)
     return sum(states.values()) + activations
 
 
@@ -163,14 +193,15 @@ def _coeff(x: float) -> str:
     return f"{x:g}Ψ"
 
 
-def formula(zero_stage: int, precision: str = "fp32", optimizer: str = "adamw", offload: bool = False) -> str:
+def formula(zero_stage: int, precision: str = "fp32", optimizer: str = "adamw", offload: bool = False,
+            memory_layout: str = DEFAULT_LAYOUT) -> str:
     """Human-readable per-rank formula in the ZeRO paper's notation, e.g. "2Ψ + 2Ψ + 12Ψ/N".
 
     Terms are parameters + gradients + K (master copy and optimizer states); terms sharded by ZeRO are
     merged into one "/N" term, as in the paper's Figure 1. Offloaded terms are shown after "CPU:".
     """
-    _check_config(1, 1, zero_stage, precision, optimizer)
-    per_param = _replicated_bytes(1.0, precision, optimizer)
+    per_param = state_bytes_per_param(precision, optimizer, memory_layout)
+    _check_config(1, 1, zero_stage, precision, optimizer, memory_layout)
     sharded = _sharded_categories(zero_stage)
     moved = _offloaded_categories(zero_stage, offload)
     k = per_param.get("master_weights", 0.0) + per_param["optimizer_state"]
@@ -260,6 +291,65 @@ def _layer_linear_bytes(sbh: float, p: float, dropout: bool, tp: int, sp: bool) 
     return (unsplit + split / tp) * sbh
 
 
+def kv_heads_per_rank(n_head: int, n_kv_head: int, tp: int) -> float:
+    """K/V heads one tensor-parallel rank holds under grouped-query attention (Ainslie et al. 2023).
+
+    Up to tp = n_kv_head the K/V heads split like the query heads; past it a rank still needs the one K/V head
+    its query heads read, so each K/V head is *replicated* on tp / n_kv_head ranks (as Megatron-LM does):
+    1 head per rank, not n_kv_head / tp. ValueError when neither of tp and n_kv_head divides the other."""
+    _check_sizes(n_head=n_head, n_kv_head=n_kv_head, tp=tp)
+    if n_head % n_kv_head:
+        raise ValueError(f"n_kv_head={n_kv_head} must divide n_head={n_head} (each K/V head serves a group)")
+    if n_kv_head % tp and tp % n_kv_head:
+        raise ValueError(f"tp={tp} with n_kv_head={n_kv_head}: tp must divide the K/V heads or be a multiple of "
+                         f"them (then each K/V head is replicated on tp / n_kv_head ranks)")
+    return n_kv_head / tp if tp <= n_kv_head else 1.0
+
+
+def llama_activation_bytes(
+    batch: int,
+    seq_len: int,
+    d_model: int,
+    n_layer: int,
+    n_head: int,
+    n_kv_head: int,
+    ffn_hidden: int,
+    bytes_per_value: float = 2,
+    recompute: str = "none",
+    tp: int = 1,
+    sequence_parallel: bool = False,
+) -> float:
+    """Saved-activation bytes per rank of Llama-shaped blocks (RMSNorm, grouped-query attention, SwiGLU MLP).
+
+    Korthikanti et al. 2022's count (``activation_bytes``, no dropout) with the two changes Llama makes, p bytes
+    a value, f = ``ffn_hidden``, g = n_kv_head / n_head:
+
+    - attention: the two RMSNorm inputs and the q/k/v input 3p·sbh; Q p·sbh; K and V 2g·p·sbh (GQA keeps
+      only the n_kv_head heads, the groups share them); the out-projection's input p·sbh; softmax output p·as²b;
+    - SwiGLU MLP: its input p·sbh, then four f-wide tensors, 4p·sbf: the gate's output (SiLU's input), SiLU's
+      output and the up projection's output (both inputs of the product), the product (the down projection's
+      input). At Llama-2-70B's f = 3.5h that is 14p·sbh where a 4h GeLU MLP keeps 8p·sbh.
+
+    tp splits everything but the norm inputs and the inputs of q/k/v and the MLP (4p·sbh; sp splits those too);
+    K and V split by tp only up to n_kv_head, past it each rank keeps one K/V head (``kv_heads_per_rank``).
+    recompute: "selective" drops the as²b term, "full" keeps each layer's input p·sbh. The attention core as
+    PyTorch's fused kernel runs it saves no as²b; "selective" prices that case.
+    """
+    _check_sizes(batch=batch, seq_len=seq_len, d_model=d_model, n_layer=n_layer, ffn_hidden=ffn_hidden)
+    _check_choice("recompute", recompute, RECOMPUTE_MODES)
+    if bytes_per_value <= 0:
+        raise ValueError(f"bytes_per_value must be > 0, got {bytes_per_value!r}")
+    kv = kv_heads_per_rank(n_head, n_kv_head, tp)
+    p, sb = float(bytes_per_value), float(seq_len) * batch
+    sbh = sb * d_model
+    if recompute == "full":
+        return n_layer * p * sbh / (tp if sequence_parallel else 1)
+    unsplit = 4 * p * sbh / (tp if sequence_parallel else 1)
+    split = (2 * p * sbh + 4 * p * sb * ffn_hidden) / tp + 2 * p * sb * (d_model // n_head) * kv
+    core = p * n_head * float(seq_len) ** 2 * batch / tp if recompute == "none" else 0.0
+    return n_layer * (unsplit + split + core)
+
+
 def _check_sizes(**sizes: int) -> None:
     for name, value in sizes.items():
         positive_int(name, value)
@@ -336,7 +426,8 @@ def gpt_activation_bytes(
 
 
 __all__ = [
-    "BYTE_UNITS", "CATEGORIES", "OPTIMIZERS", "PRECISIONS", "RECOMPUTE_MODES", "ZERO_STAGES",
-    "activation_bytes", "formula", "gpt_activation_bytes", "gpt_block_activation_bytes", "model_state_bytes",
-    "offloaded_bytes", "to_unit", "total_bytes",
+    "BYTE_UNITS", "CATEGORIES", "DEFAULT_LAYOUT", "MEMORY_LAYOUTS", "OPTIMIZERS", "PRECISIONS", "RECOMPUTE_MODES",
+    "ZERO_STAGES", "activation_bytes", "formula", "gpt_activation_bytes", "gpt_block_activation_bytes",
+    "kv_heads_per_rank", "llama_activation_bytes", "model_state_bytes", "offloaded_bytes", "state_bytes_per_param",
+    "to_unit", "total_bytes",
 ]

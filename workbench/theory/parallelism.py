@@ -12,15 +12,18 @@ Assumptions (each one a place where a real run differs):
 - **Tensor parallelism** splits the attention and MLP weights (heads, hidden) and the vocabulary of the
   embedding and head; it keeps whole on every tp rank what Megatron keeps whole: the norms, the biases
   of the row-parallel layers and the learned position embedding. A vocabulary tp does not divide is padded
-  to the next multiple, as Megatron pads it. tp must divide the heads.
+  to the next multiple, as Megatron pads it. tp must divide the heads. Under grouped-query attention (Llama-2-70B:
+  8 K/V heads) tp past the K/V heads replicates them: each rank keeps one K/V head's weights and activations.
 - **Pipeline stages** hold contiguous layers balanced as ``pipeline.stage_layers`` cuts them (extra layers
   on the first stages), exactly the cut of ``workbench.parallel.pipeline``: the first stage also holds the
   token (and position) embedding, the last the final norm and the head. A tied head (our GPT) is a second
   copy of the embedding on the last stage, with its own gradient and optimizer state, as in Megatron-LM;
   with pp = 1 the tie is kept and the matrix counted once. We report every pipeline rank and the *worst*.
-- **ZeRO** shards each rank's model states over its dp group as ``memory.model_state_bytes`` does;
+- **ZeRO** shards each rank's model states over its dp group as ``memory.model_state_bytes`` does, in the memory
+  layout named (``memory_layout``: "classic" 16-bit parameters and gradients, or "amp", the trainer's fp32 ones);
   offload moves the same categories to the CPU.
-- **Activations** of a rank are one layer's ``activation_bytes`` (Korthikanti et al. 2022, with tp/SP) for
+- **Activations** of a rank are one layer's ``activation_bytes`` (Korthikanti et al. 2022, with tp/SP; SwiGLU
+  and GQA for a Llama shape, ``models.preset_activation_bytes``) for
   one micro-batch, times the most layer-micro-batches the schedule's action list keeps alive on that rank
   (F done, B or I not yet: ``pipeline.peak_held_layers``, ``peak_in_flight`` weighted by the layers of
   each stage). Embedding, final norm, logits and loss activations are not counted (as in
@@ -62,15 +65,16 @@ from workbench.theory.comm import (
 from workbench.theory.composition import Combination, check_composition
 from workbench.theory.context import check_cp, ring_kv_bytes
 from workbench.theory.memory import (
+    DEFAULT_LAYOUT,
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTE_MODES,
     ZERO_STAGES,
-    activation_bytes,
+    kv_heads_per_rank,
     model_state_bytes,
     offloaded_bytes,
 )
-from workbench.theory.models import resolve_preset
+from workbench.theory.models import preset_activation_bytes, resolve_preset
 from workbench.theory.pipeline import (
     bubble_fraction,
     make_plan,
@@ -146,6 +150,8 @@ class Layout:
             valid = [t for t in range(1, shape["n_head"] + 1) if shape["n_head"] % t == 0]
             raise ValueError(f"tp={self.tp} must divide the model's n_head={shape['n_head']} (heads are split "
                              f"across tp ranks); valid tp: {', '.join(map(str, valid))}")
+        if shape.get("n_kv_head", shape["n_head"]) != shape["n_head"]:  # GQA: tp past the K/V heads replicates
+            kv_heads_per_rank(shape["n_head"], shape["n_kv_head"], self.tp)
         check_composition(self.combination(), meaningless_only=True)  # e.g. sp without tp; calc asks all rules
         s = seq_len if seq_len is not None else shape["seq_len"]
         if self.sp and s % self.tp:
@@ -178,11 +184,16 @@ class ParamPart:
     split: int
     whole: int
     vocab: bool = False
+    kv: int = 0  # of ``split``, the K and V weights of grouped-query attention (Llama shapes)
+    kv_heads: int = 0  # their heads: past tp = kv_heads each K/V head is replicated, not split
 
     def on_tp_rank(self, tp: int, vocab_size: int, d_model: int) -> int | float:
         if self.vocab:  # Megatron pads the vocabulary to a multiple of tp
             return math.ceil(vocab_size / tp) * d_model + self.whole
-        return (self.split // tp if self.split % tp == 0 else self.split / tp) + self.whole
+        split, extra = self.split, 0
+        if self.kv and tp > self.kv_heads:  # one K/V head's weights on every rank (Megatron replicates them)
+            split, extra = self.split - self.kv, self.kv // self.kv_heads
+        return (split // tp if split % tp == 0 else split / tp) + self.whole + extra
 
 
 def param_parts(model: str | dict) -> dict[str, ParamPart]:
@@ -193,7 +204,8 @@ def param_parts(model: str | dict) -> dict[str, ParamPart]:
     projections' weights) and 6d whole (two LayerNorms, the two row layers' biases); the embedding V·d
     split plus the position table T·d whole; the final LayerNorm 2d whole; the head tied to the embedding.
     "llama" (published totals): the block is the total less embedding, head and final norm, over n_layer;
-    its two RMSNorms (2d) whole; untied embedding and head of V·d each, split; final RMSNorm d whole.
+    its two RMSNorms (2d) whole; untied embedding and head of V·d each, split; final RMSNorm d whole. Past
+    tp = n_kv_head the block's k and v weights are replicated, one K/V head per rank (``ParamPart.kv``).
     """
     shape = resolve_preset(model)
     d, v, n_layer = shape["d_model"], shape["vocab_size"], shape["n_layer"]
@@ -207,7 +219,9 @@ def param_parts(model: str | dict) -> dict[str, ParamPart]:
     if rem or block <= 2 * d:
         raise ValueError(f"n_params={shape['n_params']} is not n_layer={n_layer} equal blocks plus an untied "
                          f"embedding and head of {v}x{d} and a final norm")
-    return {"block": ParamPart(block - 2 * d, 2 * d), "embedding": ParamPart(v * d, 0, True),
+    kv_heads = shape.get("n_kv_head", shape["n_head"])
+    kv = 2 * d * kv_heads * (d // shape["n_head"])  # k and v weights: fewer than q's under GQA
+    return {"block": ParamPart(block - 2 * d, 2 * d, kv=kv, kv_heads=kv_heads), "embedding": ParamPart(v * d, 0, True),
             "head": ParamPart(v * d, d, True), "tied_head": ParamPart(0, 0)}
 
 
@@ -250,9 +264,11 @@ def layout_memory(
     micro_batch: int = 0,
     seq_len: int | None = None,
     recompute: str = "none",
+    memory_layout: str = DEFAULT_LAYOUT,
 ) -> dict:
     """Device bytes per rank of every pipeline rank (all tp and dp ranks of a stage hold the same), and the
-    worst one. ``micro_batch`` = 0 leaves activations out (model states only).
+    worst one. ``micro_batch`` = 0 leaves activations out (model states only). ``memory_layout``: where mixed
+    precision keeps its model states (``memory.MEMORY_LAYOUTS``: "classic" or "amp", the trainer's).
 
     Returns "ranks" (per pipeline rank: stages, layers, params, peak_in_flight, peak_held_layers,
     per_rank {category: bytes}, cpu {category: bytes}, total), "worst" (the index of the largest total),
@@ -271,8 +287,9 @@ def layout_memory(
     ranks = []
     for info, actions in zip(stage_params(shape, layout.tp, layout.pp, layout.virtual_stages), plan, strict=True):
         group = layout.shard_group
-        states = model_state_bytes(info["params"], group, layout.zero_stage, precision, optimizer, layout.offload)
-        cpu = offloaded_bytes(info["params"], group, layout.zero_stage, precision, optimizer, layout.offload)
+        args = (group, layout.zero_stage, precision, optimizer, layout.offload, memory_layout)
+        states = model_state_bytes(info["params"], *args)
+        cpu = offloaded_bytes(info["params"], *args)
         held = peak_held_layers(actions, layers)
         if micro_batch:
             states["activations"] = held * per_layer
@@ -290,9 +307,8 @@ def _layer_activation(shape: dict, micro_batch: int, seq_len: int | None, precis
     if not micro_batch:
         return 0.0
     s = (seq_len if seq_len is not None else shape["seq_len"]) // layout.cp
-    return activation_bytes(micro_batch, s, shape["d_model"], 1, shape["n_head"], _bytes_per_value(precision),
-                            recompute, dropout=shape.get("dropout", True), tp=layout.tp,
-                            sequence_parallel=layout.sp)
+    return preset_activation_bytes(shape, micro_batch, s, _bytes_per_value(precision), recompute, layout.tp,
+                                   layout.sp)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -412,13 +428,14 @@ def analyze_layout(
     recompute: str = "none",
     links: Mapping[str, Link] | None = None,
     comm_micro_batch: int | None = None,
+    memory_layout: str = DEFAULT_LAYOUT,
 ) -> dict:
     """Memory (``layout_memory``), communication (``layout_comm``) and the schedule's bubble in one dict.
 
     Communication needs a micro-batch even when activations are left out (``micro_batch`` = 0): it uses
     ``comm_micro_batch``, by default ``micro_batch`` or 1 sequence.
     """
-    memory = layout_memory(model, layout, precision, optimizer, micro_batch, seq_len, recompute)
+    memory = layout_memory(model, layout, precision, optimizer, micro_batch, seq_len, recompute, memory_layout)
     comm_b = comm_micro_batch if comm_micro_batch is not None else (micro_batch or 1)
     comm = layout_comm(model, layout, precision, comm_b, seq_len, recompute, links)
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)

@@ -394,9 +394,13 @@ class RunConfig:
         ensure_writable(self.ckpt_dir)
 
     def _validate_precision(self) -> None:
-        """Precision and reduce dtype named before any rank starts (``workbench.precision``)."""
+        """Precision and reduce dtype named before any rank starts (``workbench.precision``). The names are
+        ``theory.precisions``' table, shared with `workbench calc`: an alias ("bf16-mixed") becomes its canonical
+        name ("bf16") here, so summary.json and the trainer see one spelling."""
         from workbench.parallel.precision import policy_from_names
+        from workbench.theory.precisions import PRECISION_ALIASES
 
+        self.precision = PRECISION_ALIASES.get(self.precision, self.precision)
         policy_from_names(self.precision, self.reduce_dtype)
         scale = self.init_loss_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1 <= scale < math.inf:

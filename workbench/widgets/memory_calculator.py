@@ -18,8 +18,9 @@ import plotly.graph_objects as go
 
 from workbench.theory.calculator import CUSTOM, calculator_table, n_params_of
 from workbench.theory.memory import (
+    DEFAULT_LAYOUT,
+    MEMORY_LAYOUTS,
     OPTIMIZERS,
-    PRECISIONS,
     RECOMPUTE_MODES,
     ZERO_STAGES,
     to_unit,
@@ -27,6 +28,7 @@ from workbench.theory.memory import (
 from workbench.theory.models import MODEL_PRESETS
 from workbench.theory.parallelism import AXES
 from workbench.theory.pipeline import SCHEDULES
+from workbench.theory.precisions import PRECISION_NAMES
 from workbench.viz.memory import memory_bars
 
 DEVICE_MEMORY_GB: tuple[int, ...] = (24, 40, 80, 141)  # RTX 4090/A100-40/A100-80, H100/H200
@@ -104,7 +106,8 @@ class MemoryCalculator(widgets.VBox):
         c = self.controls
         return {
             "model": c["model"].value, "dp": c["dp"].value, "zero_stage": c["zero_stage"].value,
-            "precision": c["precision"].value, "optimizer": c["optimizer"].value,
+            "precision": c["precision"].value, "memory_layout": c["memory_layout"].value,
+            "optimizer": c["optimizer"].value,
             "offload": c["offload"].value, "custom_params_b": c["custom_params_b"].value,
             "batch": c["batch"].value if c["activations"].value else 0, "seq_len": c["seq_len"].value,
             "recompute": c["recompute"].value, "device_gb": c["device_gb"].value,
@@ -167,8 +170,10 @@ def _make_controls(default_model: str) -> dict[str, widgets.ValueWidget]:
         "dp": widgets.SelectionSlider(options=list(DP_CHOICES), value=8, description="dp (N)"),
         "zero_stage": widgets.ToggleButtons(options=list(ZERO_STAGES), value=0, description="ZeRO stage",
                                             style={"button_width": "40px"}),
-        "precision": widgets.Dropdown(options=sorted(PRECISIONS), value="bf16-mixed",
-                                      description="precision"),
+        "precision": widgets.Dropdown(options=list(PRECISION_NAMES), value="bf16", description="precision"),
+        # where bf16/fp16 keep model states: classic (bf16 params + grads, fp32 master) or amp (workbench run's)
+        "memory_layout": widgets.Dropdown(options=list(MEMORY_LAYOUTS), value=DEFAULT_LAYOUT,
+                                          description="memory layout", style=style),
         "optimizer": widgets.Dropdown(options=list(OPTIMIZERS), value="adamw", description="optimizer"),
         "offload": widgets.Checkbox(value=False, description="offload to CPU"),
         "activations": widgets.Checkbox(value=False, description="include activations"),
@@ -192,7 +197,7 @@ def _layout_controls(c: dict[str, widgets.ValueWidget]) -> widgets.Widget:
         widgets.HBox([c["dp"], c["zero_stage"]]),
         widgets.HBox([c["tp"], c["sp"], c["pp"]]),
         widgets.HBox([c["schedule"], c["microbatches"], c["virtual_stages"]]),
-        widgets.HBox([c["precision"], c["optimizer"], c["offload"]]),
+        widgets.HBox([c["precision"], c["memory_layout"], c["optimizer"], c["offload"]]),
         widgets.HBox([c["activations"], c["batch"], c["seq_len"], c["recompute"]]),
         c["device_gb"],
     ])
