@@ -85,7 +85,7 @@ def test_a_resumed_powersgd_run_ends_bit_identical(tmp_path: Path) -> None:
     run_training(RunConfig(ckpt_dir=str(tmp_path / "cut"), **{**flags, "steps": 4}), progress=False)
     resumed = run_training(RunConfig(ckpt_dir=str(tmp_path / "cut"), resume=True, **flags), progress=False)
     assert resumed["final_params_sha256"] == full["final_params_sha256"]
-    assert resumed["losses"] == full["losses"][4:]
+    assert resumed["losses"] == full["losses"]  # the whole run (workbench.record): steps 0-3 share warm-up's rates
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -38,6 +38,7 @@ FLOORS = {
     "workbench/models/": 3, "workbench/data.py": 3,
     "workbench/parallel/": 4,      # the strategies, their helpers, and parallelize (the composer)
     "workbench/checkpoint/": 5, "workbench/training/": 5,
+    "workbench/record.py": 5,      # one run's record across attempts, kept beside its checkpoints (stdlib only)
     "workbench/viz/": 6, "workbench/widgets/": 6,
     "workbench/cli.py": 7, "workbench/magics.py": 7, "workbench/labs/": 7,
     "workbench/run.py": 7,         # one run start to end: cli.py parses flags and calls it

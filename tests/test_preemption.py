@@ -116,7 +116,9 @@ def test_sigterm_stops_at_one_step_checkpoints_and_a_resume_matches_an_unbroken_
     full = run_training(RunConfig(**same), progress=False)
     assert "preempted" not in resumed and resumed["checkpoint"]["resumed_from_step"] == n
     assert resumed["final_params_sha256"] == full["final_params_sha256"]
-    assert pre["losses"] + resumed["losses"] == full["losses"]
+    # the resumed run's summary is the whole run's (workbench.record): the preempted piece, then the resume
+    assert resumed["losses"][:n + 1] == pre["losses"] and resumed["losses"] == full["losses"]
+    assert [(a["cause"], a["outcome"]) for a in resumed["attempts"]] == [("start", "preempted"), ("resume", "finished")]
 
 
 # -- a signal while a checkpoint is being written (in this process: run_training catches it here) -----------------

@@ -1,6 +1,7 @@
 """The complete run report and ``workbench report``: memory per category and bytes per collective measured (from
-the traces) beside theory, the configuration, checkpoint saves and restarts on the loss curve, offline pages under
-5 MB, runs compared side by side, and a bad run directory as one line (exit 2) before anything is written."""
+the traces) beside theory, the configuration (what applies to the layout, the rest folded), checkpoint saves and
+restarts on the loss curve, offline pages under 3 MB (plotly.js inlined once, compressed), runs compared side by
+side, and a bad run directory as one line (exit 2) before anything is written."""
 
 from __future__ import annotations
 
@@ -15,12 +16,25 @@ from workbench.theory.comm import dp_step_collectives
 from workbench.theory.memory import model_state_bytes
 from workbench.train import RunConfig
 from workbench.viz.compare import load_run
-from workbench.viz.report import read_embedded_json, write_report
+from workbench.viz.report import (
+    PLOTLY_ELEMENT_ID,
+    applicable_settings,
+    read_embedded_json,
+    read_figures,
+    read_plotly_js,
+    write_report,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
-FIVE_MB = 5_000_000
+THREE_MB = 3_000_000
 PLOTLY_JS_BANNER = "* plotly.js v"
+
+
+def _offline_with_plotly_once(page: str) -> bool:
+    """plotly.js is in the page once (compressed: ``report.plotly_js_payload``) and nothing is fetched."""
+    return (page.count(f"id='{PLOTLY_ELEMENT_ID}'") == 1 and PLOTLY_JS_BANNER in read_plotly_js(page)[:300]
+            and not re.search(r"<script[^>]*\ssrc=", page))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +125,7 @@ def test_report_has_configuration_checkpoints_and_plotly_once(runs: dict[str, Pa
     assert written == [1, 3]
     assert "checkpoint saved" in page and f"checkpoints saved after step(s) {', '.join(map(str, written))}" in page
     assert "dashed lines on the loss curve" not in page  # no restarts listed: none drawn
-    assert page.count(PLOTLY_JS_BANNER) == 1 and not re.search(r"<script[^>]*\ssrc=", page)  # offline: inlined
+    assert _offline_with_plotly_once(page)
 
 
 @pytest.mark.parametrize("where", [{"at_step": 2}, {"last_step_done": 2, "rank": 1}])
@@ -143,16 +157,59 @@ def test_compare_page_holds_both_runs(runs: dict[str, Path], tmp_path: Path, mon
         assert entry["bytes_per_collective"].get("all_gather", 0.0) == all_gather
     assert data["runs"][1]["bytes_per_collective"]["all_gather"] > 0  # ZeRO-3 gathers, DDP does not
     assert {"setting": "zero", data["runs"][0]["run"]: 0, data["runs"][1]["run"]: 3} in data["differences"]
-    assert page.count(PLOTLY_JS_BANNER) == 1 and len(page.encode()) < FIVE_MB
+    assert _offline_with_plotly_once(page) and len(page.encode()) < THREE_MB
 
 
-@pytest.mark.extended  # 50 steps on 4 ranks: the extended lane (the size rule is checked on the short run above)
-def test_report_of_a_50_step_4_rank_run_is_under_5_mb(tmp_path: Path) -> None:
+#: The panels of a plain data-parallel report, by figure title (plotly JSON) and by section heading.
+DDP_FIGURES = ["global-batch loss per step", None, "per-rank timeline of the last traced steps (bucketed DDP)",
+               "bytes per collective and axis in step 49", "peak memory per rank: measured (ledger) vs theory"]
+DDP_SECTIONS = ["<h2>communication in step 49 (from the log)</h2>", "measured beside theory</h2>",
+                "<h2>per-rank step time: computing vs waiting</h2>", "<h2>memory per rank (the ledger",
+                "<h2>memory per rank by category: measured (ledger peaks) beside theory</h2>",
+                "<h2>configuration</h2>", "<details><summary>"]
+
+
+@pytest.mark.extended  # 50 steps on 4 ranks (~25 s): the extended lane; the size rule is checked on the short run above
+def test_report_of_a_50_step_4_rank_run_is_under_3_mb_with_every_panel(tmp_path: Path) -> None:
     out = tmp_path / "run"
     run_training(RunConfig(nproc=4, steps=50, batch_size=8, seq_len=32), out=out, progress=False)
     size = (out / "report.html").stat().st_size
-    assert size < FIVE_MB, f"report.html is {size:,} bytes"
-    assert (out / "report.html").read_text().count(PLOTLY_JS_BANNER) == 1
+    assert size <= THREE_MB, f"report.html is {size:,} bytes"
+    page = (out / "report.html").read_text()
+    assert _offline_with_plotly_once(page)
+    figures = read_figures(page)
+    titles = [(f["layout"].get("title") or {}).get("text") for f in figures]
+    assert titles == DDP_FIGURES, titles
+    assert len(figures[1]["data"]) == 4  # the metric curves: grad norm, learning rate, tokens/s, data wait
+    assert figures[0]["data"][0]["x"] == list(range(50))
+    assert all(section in page for section in DDP_SECTIONS)
+
+
+def test_the_configuration_shows_what_applies_and_folds_the_rest(runs: dict[str, Path]) -> None:
+    summary, _, page = _load(runs["ddp"])
+    shown, folded = applicable_settings(summary["config"])
+    assert set(shown) | set(folded) == set(summary["config"]) and not set(shown) & set(folded)
+    # pure DDP: the pipeline's settings do not apply (RunConfig refuses them without pp > 1), checkpoints do
+    for name in ("schedule", "microbatches", "virtual_stages", "moe_top_k", "cp_layout", "init_loss_scale"):
+        assert name in folded and f"<td>{name}</td>" in page.split("<details>")[1]
+        assert f"<td>{name}</td>" not in page.split("<h2>configuration</h2>")[1].split("<details>")[0]
+    for name in ("nproc", "dp", "zero", "ckpt_dir", "ckpt_every", "ddp", "bucket_mb", "lr"):
+        assert name in shown
+    assert folded["schedule"] == "applies with a pipeline (pp > 1)" and folded["inject_fault"] == "off (not set)"
+    pipeline = {**summary["config"], "pp": 2, "microbatches": 4, "ckpt_dir": None}
+    shown, folded = applicable_settings(pipeline)
+    assert {"schedule", "microbatches", "virtual_stages"} <= set(shown) and "ckpt_every" in folded
+
+
+def test_tables_are_styled_and_figures_compact(runs: dict[str, Path]) -> None:
+    _, _, page = _load(runs["ddp"])
+    assert "<style>" in page and "table.wb th{" in page and "border=1" not in page
+    assert page.count("<table class='wb'>") >= 5
+    for figure in read_figures(page):  # floats rounded to 5 significant digits: a plot shows no more
+        for trace in figure["data"]:
+            for value in trace.get("y") or ():
+                if isinstance(value, float):
+                    assert float(f"{value:.5g}") == value
 
 
 def _bad_dirs(tmp_path: Path) -> dict[str, tuple[Path, str]]:

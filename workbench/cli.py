@@ -155,7 +155,12 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--inject-fault", default=None, metavar="KIND:rank=R:step=S",
                    help="plant one failure in the first attempt: kill (SIGKILL), raise, hang (caught by --timeout), "
                         "nan (weights turn NaN: caught by --on-spike), or bitflip (one bit of rank R's first "
-                        "parameter flips after step S: caught by --sdc-check-every)")
+                        "parameter flips after step S: caught by --sdc-check-every), or lose (rank R's node is "
+                        "gone for good: needs --min-nproc)")
+    p.add_argument("--min-nproc", type=int, default=None, metavar="M",
+                   help="elastic: when a rank is lost for good, go on with the survivors (down to M ranks) from the "
+                        "newest checkpoint, with the same global batch (gradient accumulation makes up the lost "
+                        "ranks); needs --ckpt-dir")
     p.add_argument("--val-every", type=int, default=None,
                    help="validation loss every K steps on a held-out split the sampler never serves for training, "
                         "with a check that data-parallel ranks drew disjoint windows")

@@ -1,9 +1,11 @@
 """One run, start to end: what ``workbench run``, a notebook's ``run_training``, the live dashboard and torchrun
 all call. It prepares a resume (resharding a checkpoint saved on another layout), launches the ranks
 (``training.trainer.train_rank`` on each), collects their results and restarts, summarizes them (``summary.json``'s
-shape) and writes ``summary.json``, ``traces.json`` and ``report.html``. ``live=True`` trains behind a
-``widgets.dashboard.Dashboard``, which only draws what the ranks stream: this module owns the run, its
-thread and its Stop file (``LiveRun``).
+shape) and writes ``summary.json``, ``traces.json`` and ``report.html``. The summary covers the whole run from
+step 0, over every attempt and every ``--resume``: rank 0's metrics are appended to the run's record as they
+stream in (``workbench.record``, ``<ckpt_dir>/record.jsonl``; ``open_record``, ``whole_run_summary``).
+``live=True`` trains behind a ``widgets.dashboard.Dashboard``, which only draws what the ranks stream: this
+module owns the run, its thread and its Stop file (``LiveRun``).
 
 Preemption (docs/preemption.md): while ``run_training`` runs in the main thread, the first SIGTERM or SIGINT (what
 Slurm and Kubernetes send before they kill a job, or Ctrl-C) creates the same Stop file the dashboard's button
@@ -47,6 +49,7 @@ PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 if TYPE_CHECKING:  # the dashboard (ipywidgets, plotly) is imported only by a live run: the CLI starts without it
     from workbench.dist.emulation import LinkEmulation
+    from workbench.record import RunRecord
     from workbench.training.config import RunConfig  # and torch only once a run starts: `workbench --help` is quick
     from workbench.widgets.dashboard import Dashboard
 
@@ -70,10 +73,16 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
     lead = not under_torchrun() or os.environ.get("RANK") == "0"
     bar = progress_bar(cfg.steps, f"training on {cfg.nproc} rank(s)", enabled=progress and lead)
     streamed: list[dict[str, Any]] = []  # rank 0's metrics of every attempt: a restart's history starts later
+    record = open_record(cfg) if lead else None  # the whole run's record (workbench.record): one writer
+
+    worlds: list[dict[str, Any]] = []  # an elastic run's world changes (``_launch_elastic``)
 
     def on_report(rank: int, metrics: dict[str, Any]) -> None:
+        metrics = {**metrics, "world": len(worlds)} if worlds else metrics  # which world trained it
         if rank == 0:
             streamed.append(metrics)
+            if record is not None:
+                record.metrics(metrics, world_size=worlds[-1]["nproc"][1] if worlds else cfg.nproc)
             bar.update(metrics["step"] + 1, metrics["loss"], metrics["tokens_per_s"])  # a restart goes back
         if on_metrics is not None:
             on_metrics(rank, metrics)
@@ -81,17 +90,22 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
     if cfg.resume and lead:
         prepare_resume(cfg)
     links = cfg.link_emulation()
-    with preemptible(cfg) as (cfg, preemption):
+    with preemptible(cfg) as (cfg, preemption), recording(record):
         try:
             if cfg.netns:
                 results = _run_on_shaped_link(cfg)
             else:
-                results = launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report,
-                                 device=cfg.device, backend=cfg.backend, port=cfg.port,
-                                 max_restarts=cfg.max_restarts, straggler=cfg.straggler, **_link_keywords(links))
+                def launch_world(cfg: RunConfig) -> Any:
+                    return launch(train_rank, cfg.nproc, cfg, timeout=cfg.timeout, on_report=on_report,
+                                  device=cfg.device, backend=cfg.backend, port=cfg.port,
+                                  max_restarts=cfg.max_restarts, straggler=cfg.straggler, **_link_keywords(links))
+
+                results, cfg = _launch_elastic(cfg, launch_world, worlds)
         finally:
             bar.close()
-        summary = _summary(cfg, results, streamed, links, preemption)
+        summary = _summary(cfg, results, streamed, links, preemption, worlds)
+        if record is not None:
+            whole_run_summary(cfg, record, summary, results, streamed)
         if out is not None and lead:  # a first signal now changes nothing; a second still stops the writing
             write_outputs(Path(out), summary, results.traces)
     return summary
@@ -162,9 +176,11 @@ def _is_tty(file: TextIO) -> bool:
 
 
 def _summary(cfg: RunConfig, results: Any, streamed: list[dict[str, Any]], links: LinkEmulation | None,
-             preemption: Preemption | None) -> dict[str, Any]:
+             preemption: Preemption | None, worlds: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """summary.json's content for the ranks' ``results``, with what this run added on top of ``summarize``."""
     summary = summarize(cfg, results[0], results.traces)
+    if worlds:
+        summary["elastic"] = _elastic_log(worlds, streamed)
     if cfg.ps_servers is not None:
         from workbench.training.param_server_run import ps_summary
 
@@ -178,6 +194,66 @@ def _summary(cfg: RunConfig, results: Any, streamed: list[dict[str, Any]], links
     if preemption is not None and (preempted := preemption.outcome(summary["stopped_after_step"])):
         summary["preempted"] = preempted
     return summary
+
+
+def _launch_elastic(cfg: RunConfig, launch_world: Callable[[RunConfig], Any],
+                    worlds: list[dict[str, Any]]) -> tuple[Any, RunConfig]:
+    """``launch_world(cfg)``; with ``--min-nproc``, each time a rank is lost for good (``dist.faults``'s ``lose``)
+    the survivors go on from the newest checkpoint, resharded to one rank fewer with the same global batch
+    (``training.elastic``), while at least ``min_nproc`` are left. Appends each change to ``worlds``; returns the
+    last world's results and config."""
+    from workbench.dist.faults import LOST_RANK_EXIT_CODE
+    from workbench.dist.launch import RankError
+    from workbench.training.elastic import micro_batch
+
+    budget = micro_batch(cfg)  # the first world's micro-batch: the memory a rank has, kept through every change
+    while True:
+        try:
+            return launch_world(cfg), cfg
+        except RankError as error:
+            if cfg.min_nproc is None or error.exit_code != LOST_RANK_EXIT_CODE:
+                raise
+            if cfg.nproc - 1 < cfg.min_nproc:
+                raise RankError(error.rank, f"{error.message}\nonly {cfg.nproc - 1} rank(s) are left, fewer than "
+                                f"min_nproc={cfg.min_nproc}: the run stops (its checkpoints in {cfg.ckpt_dir} "
+                                f"resume with --resume on more ranks)", error.remote_traceback,
+                                error.exit_code) from error
+            cfg = _shrink(cfg, error.rank, budget, worlds)
+
+
+def _shrink(cfg: RunConfig, lost_rank: int, budget: int, worlds: list[dict[str, Any]]) -> RunConfig:
+    """The next world after ``lost_rank`` is gone: ``cfg`` on the survivors, resuming from the newest checkpoint
+    (resharded here, before they start) or from step 0 when none was written yet."""
+    from workbench.checkpoint.resume import find_resume_point
+    from workbench.checkpoint.store import list_steps, read_manifest
+    from workbench.record import record_event
+    from workbench.training.elastic import resized
+    from workbench.training.trainer import prepare_resharded_resume
+
+    smaller = resized(cfg, cfg.nproc - 1, budget, resume=bool(list_steps(cfg.ckpt_dir)))
+    step = None
+    if smaller.resume:
+        step = read_manifest(find_resume_point(smaller))["step"]
+        prepare_resharded_resume(smaller)
+    worlds.append({"lost_rank": lost_rank, "nproc": [cfg.nproc, smaller.nproc],
+                   "grad_accum": [cfg.grad_accum, smaller.grad_accum], "resumed_from_step": step,
+                   "time": time.time()})
+    record_event(cfg.ckpt_dir, "world_size", world_size=smaller.nproc, step=step, grad_accum=smaller.grad_accum,
+                 reason=f"rank {lost_rank} lost for good")
+    say(f"rank {lost_rank} is lost for good: going on with {smaller.nproc} rank(s) from "
+        + (f"the checkpoint of step {step}" if step is not None else "step 0 (no checkpoint yet)")
+        + f", the same global batch of {cfg.batch_size} (gradient accumulation {cfg.grad_accum} -> "
+        f"{smaller.grad_accum})")
+    return smaller
+
+
+def _elastic_log(worlds: list[dict[str, Any]], streamed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each world change with the last step the world before it finished (the summary's curve over every world
+    comes from the run's record: ``whole_run_summary``)."""
+    done: dict[int, int] = {}
+    for m in streamed:
+        done[m.get("world", 0)] = m["step"]
+    return [{**w, "last_step_done": done.get(i)} for i, w in enumerate(worlds)]
 
 
 class Preemption:
@@ -331,6 +407,77 @@ def _restart_log(restarts: list[dict[str, Any]], streamed: list[dict[str, Any]],
 
 def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if k not in ("rank", "memory_peak", "comm_bytes", "attempt")}
+
+
+def open_record(cfg: RunConfig) -> RunRecord:
+    """The run's record (``workbench.record``) for this invocation, its first attempt begun: in
+    ``<ckpt_dir>/record.jsonl`` when checkpoints are kept (a resume, or a restarted torchrun attempt, continues
+    it; a new run starts it afresh), in memory otherwise."""
+    from workbench.dist.faults import restart_count
+    from workbench.record import RunRecord, record_path
+
+    again = restart_count()  # > 0 under torchrun: this process is a restarted attempt of the same run
+    record = RunRecord(None if cfg.ckpt_dir is None else record_path(cfg.ckpt_dir), fresh=not cfg.resume and not again)
+    cause = "resume" if cfg.resume else "restart" if again else "start"
+    record.start(cause, cfg.nproc, {**_mesh(cfg), "zero": cfg.zero}, number=again)
+    return record
+
+
+@contextlib.contextmanager
+def recording(record: RunRecord | None) -> Iterator[None]:
+    """While in the block ``record_event(ckpt_dir, ...)`` appends through ``record``; an error that ends the run
+    (every restart spent, a second signal) is written as the attempt's end before it propagates."""
+    if record is None:
+        yield
+        return
+    with record:
+        try:
+            yield
+        except BaseException as exc:
+            record.event("end", outcome="failed", error=type(exc).__name__)
+            raise
+
+
+def whole_run_summary(cfg: RunConfig, record: RunRecord, summary: dict[str, Any], results: Any,
+                      streamed: list[dict[str, Any]]) -> None:
+    """Write what this invocation's end knows into ``record`` (restarts with their reasons, checkpoint saves,
+    a preemption, the outcome), then make ``summary`` the whole run's: ``history`` and ``losses`` from step 0
+    over every attempt and invocation, ``attempts``, and ``record`` (its file, events and checkpoint steps)."""
+    from workbench.record import checkpoint_steps
+
+    if not streamed:  # a path that streams nothing (netns): the final attempt's history, at its end
+        for m in results[0]["history"]:
+            record.metrics({**m, "attempt": results[0].get("attempt", 0)}, world_size=cfg.nproc)
+    world = len(summary.get("elastic") or [])
+    for r in summary.get("restarts") or []:
+        record.event("restart", attempt=r.get("attempt"), world=world, rank=r.get("rank"), reason=r.get("reason"))
+    for step in _new_checkpoint_steps(cfg, summary, streamed, checkpoint_steps(record.lines)):
+        record.event("checkpoint", step=step)
+    if preempted := summary.get("preempted"):
+        record.event("preempted", step=preempted["step"], signal=preempted["signal"])
+    outcome = "preempted" if preempted else "stopped" if summary.get("stopped_after_step") is not None else "finished"
+    whole = record.whole_run()
+    last = whole["history"][-1]["step"] if whole["history"] else None
+    record.event("end", outcome=outcome, last_step=last, world_size=cfg.nproc)
+    whole = record.whole_run()
+    summary["history"] = whole["history"]
+    summary["losses"] = [m["loss"] for m in whole["history"]]
+    summary["attempts"] = whole["attempts"]
+    summary["health"]["val_losses"] = [[m["step"], m["val_loss"]] for m in whole["history"] if "val_loss" in m]
+    summary["record"] = {"path": None if record.path is None else str(record.path), "events": whole["events"],
+                         "checkpoint_steps": checkpoint_steps(record.lines)}
+
+
+def _new_checkpoint_steps(cfg: RunConfig, summary: dict[str, Any], streamed: list[dict[str, Any]],
+                          known: list[int]) -> list[int]:
+    """Checkpoint saves of this invocation not yet in the record: the final attempt's (``written_steps``) and
+    those earlier attempts left on disk (a failed attempt reports nothing; its saves are found by their step)."""
+    from workbench.checkpoint.store import list_steps
+
+    written = set((summary.get("checkpoint") or {}).get("written_steps") or [])
+    trained = {m["step"] for m in streamed}
+    on_disk = set(list_steps(cfg.ckpt_dir)) & trained if cfg.ckpt_dir is not None else set()
+    return sorted((written | on_disk) - set(known))
 
 
 def summarize(cfg: RunConfig, rank0: dict[str, Any], traces: list[Any]) -> dict[str, Any]:
@@ -489,6 +636,9 @@ def write_outputs(out: Path, summary: dict[str, Any], traces: list[Any]) -> None
     (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2, allow_nan=False))
     (out / "traces.json").write_text(json.dumps(_json_safe([t.to_dict() for t in traces]), allow_nan=False))
     write_report(out / "report.html", summary, traces)
+    kept = (summary.get("record") or {}).get("path")
+    if kept and Path(kept).is_file() and Path(kept).resolve() != (out / Path(kept).name).resolve():
+        shutil.copyfile(kept, out / Path(kept).name)  # the run's record beside its summary (workbench.record)
 
 
 def _json_safe(value: Any) -> Any:

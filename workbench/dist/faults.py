@@ -13,7 +13,10 @@ such failure so a learner can watch it happen:
   NaN on every rank, and the health check (``--on-spike``) must notice (``workbench.health``);
 * ``bitflip`` -- rank R flips one bit of its first parameter right after step S (silent data corruption: a bad
   DRAM cell or a faulty ALU). Nothing crashes and the loss barely moves; only the replicas' fingerprints
-  (``--sdc-check-every``) tell that rank R no longer holds what its data-parallel peers hold.
+  (``--sdc-check-every``) tell that rank R no longer holds what its data-parallel peers hold;
+* ``lose`` -- rank R's node goes away for good just before step S (a host pulled from the pool, a reclaimed spot
+  instance): the rank exits with ``LOST_RANK_EXIT_CODE`` and no restart of the same world can bring it back. An
+  elastic run (``--min-nproc M``) goes on without it on the survivors (``workbench.training.elastic``).
 
 A fault fires only in the first attempt: a restarted run (``restart_count() > 0``) must get past the step
 that failed, as a real run does once the bad node is replaced.
@@ -29,7 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-FAULT_KINDS = ("kill", "raise", "hang", "nan", "bitflip")
+FAULT_KINDS = ("kill", "raise", "hang", "nan", "bitflip", "lose")
+
+#: The exit status of a rank a ``lose`` fault removed: sysexits.h's EX_UNAVAILABLE ("a service is unavailable").
+#: ``launch`` does not restart the same world after it (the rank would not come back); an elastic run shrinks.
+LOST_RANK_EXIT_CODE = 69
 
 #: The bit a ``bitflip`` fault flips, per dtype: the top mantissa bit, so element 0 moves by up to half its magnitude
 #: (visible in the weights) but keeps its exponent and stays finite (an exponent bit could make it inf and let the
@@ -91,6 +98,8 @@ def maybe_inject(spec: FaultSpec | None, rank: int, step: int) -> bool:
         return True
     if spec.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if spec.kind == "lose":
+        os._exit(LOST_RANK_EXIT_CODE)  # at once, as a vanished host: no cleanup, no result, no goodbye to peers
     if spec.kind == "raise":
         raise InjectedFault(f"injected fault {spec}: rank {rank} raised before step {step}")
     while True:  # hang: never return; the peers' collective timeout ends the attempt, the launcher kills us

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from workbench import trace
 from workbench.dist import emulation
 from workbench.dist.emulation import LinkEmulation, Straggler, resolve_time_scale
-from workbench.dist.faults import RESTART_ENV, restart_count
+from workbench.dist.faults import LOST_RANK_EXIT_CODE, RESTART_ENV, restart_count
 from workbench.dist.notices import say
 from workbench.theory.comm import Link
 
@@ -240,7 +240,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | N
                                      emulated)
         except RankError as error:
             error.restarts = restarts
-            if attempt == max_restarts:
+            if attempt == max_restarts or error.exit_code == LOST_RANK_EXIT_CODE:  # a lost rank would not come back
                 raise
             restarts.append({"attempt": attempt + 1, "rank": error.rank,
                              "reason": error.message.splitlines()[0][:300], "time": time.time()})
@@ -499,6 +499,9 @@ def death_error(rank: int, exit_code: int) -> RankError:
             how = f"was killed by {signal.Signals(-exit_code).name}"
         except ValueError:
             how = f"was killed by signal {-exit_code}"
+    elif exit_code == LOST_RANK_EXIT_CODE:
+        how = (f"was lost for good (exit code {exit_code}: its node is gone); an elastic run (--min-nproc) goes on "
+               f"without it")
     else:
         how = f"exited with code {exit_code} without returning a result"
     return RankError(rank, f"process {how}", exit_code=exit_code)

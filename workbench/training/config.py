@@ -25,6 +25,7 @@ from workbench.theory.checks import positive_int, positive_number
 from workbench.theory.composition import Combination, check_composition
 from workbench.theory.compression import check_rank, check_ratio, check_scheme
 from workbench.theory.context import check_cp
+from workbench.theory.elastic import check_elastic_batch
 from workbench.training.health import SPIKE_ACTIONS, SpikeDetector, split_windows
 
 S = TypeVar("S")
@@ -98,6 +99,7 @@ class RunConfig:
     export: str | None = None  # write the trained model's full state dict here (a plain model loads it)
     max_restarts: int = 0  # restart every rank after a failure, up to K times, resuming from the newest checkpoint
     inject_fault: str | None = None  # KIND:rank=R:step=S, KIND in dist.faults.FAULT_KINDS, first attempt only
+    min_nproc: int | None = None  # elastic: a rank lost for good -> go on with the survivors, down to M ranks
     val_every: int | None = None  # validation loss every K steps on a held-out split (and a duplicated-shard check)
     val_fraction: float = 0.1  # the corpus's last windows held out for validation when val_every is set
     on_spike: str = "warn"  # a NaN/Inf or loss spike: warn, rollback (to the newest checkpoint, skipping batches), stop
@@ -277,8 +279,33 @@ class RunConfig:
     def _validate_faults(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an int >= 0 (restarts after a failure), got {self.max_restarts!r}")
-        if self.inject_fault is not None:
-            parse_fault(self.inject_fault, self.nproc, self.steps)
+        fault = None if self.inject_fault is None else parse_fault(self.inject_fault, self.nproc, self.steps)
+        if self.min_nproc is not None:
+            self._validate_elastic()
+        elif fault is not None and fault.kind == "lose":
+            raise ValueError(f"inject_fault={self.inject_fault!r} removes rank {fault.rank} for good: it needs "
+                             f"--min-nproc M (an elastic run goes on with the survivors); kill:rank={fault.rank}:"
+                             f"step={fault.step} with --max-restarts shows a restart of the same world instead")
+
+    def _validate_elastic(self) -> None:
+        """``--min-nproc``'s rules (``training.elastic``), before any rank starts."""
+        m = self.min_nproc
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= self.nproc:
+            raise ValueError(f"min_nproc={m!r} must be an int in 1..nproc={self.nproc}: the fewest ranks the run may "
+                             f"go on with after losing some")
+        if self.ckpt_dir is None:
+            raise ValueError(f"min_nproc={m} needs --ckpt-dir (and --ckpt-every): the survivors go on from the newest "
+                             f"checkpoint, resharded to the smaller world")
+        others = {"tp": (self.tp, 1), "pp": (self.pp, 1), "cp": (self.cp, 1), "ep": (self.ep, 1),
+                  "ps_servers": (self.ps_servers, None), "local_steps": (self.local_steps, None),
+                  "grad_compression": (self.grad_compression, "none"), "straggler": (self.straggler, None),
+                  "nodes": (self.nodes, None), "netns": (self.netns, False)}
+        given = [f"{name}={value!r}" for name, (value, plain) in others.items() if value != plain]
+        if given:
+            raise ValueError(f"min_nproc={m} shrinks a data-parallel world (DDP or ZeRO 1-3); {', '.join(given)} "
+                             f"would need a layout or emulation planned for each world size, which this package "
+                             f"does not do yet; leave them out")
+        check_elastic_batch(self.batch_size, self.nproc, self.grad_accum, m)
 
     @property
     def emulates_links(self) -> bool:

@@ -73,7 +73,7 @@ def consolidate_checkpoint(path: str | Path) -> Path:
     keep = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
     source = RunConfig(**{**keep, "device": "cpu", "backend": None, "port": 0, "ckpt_dir": None,
                           "ckpt_every": None, "keep": None, "resume": False, "async_ckpt": False, "export": None,
-                          "max_restarts": 0, "inject_fault": None, "extra": {}})
+                          "max_restarts": 0, "inject_fault": None, "min_nproc": None, "extra": {}})
     launch(_consolidate_rank, source.nproc, source, str(path), device="cpu", timeout=source.timeout)
     return Path(path) / FULL_STATE
 
@@ -148,7 +148,8 @@ class Trainer:
         for group in s.optimizer.param_groups:
             group["lr"] = lr
         with trace.span("data", "data"):  # the input pipeline's share of the step (a starved GPU waits here)
-            x, y = self.dataset.get(self.sampler.indices(self.step_index + self.data_skip), device=self.device)
+            windows = self.sampler.indices(self.step_index + self.data_skip)
+            x, y = self.dataset.get(windows, device=self.device)
         data_wait = time.time() - t0
         # The last step's gradients are dropped here, at the top of the step as a plain loop does, not at its end:
         # freed at the end, the host allocator gave their pages back and backward faulted them in afresh (12 % of
@@ -170,7 +171,9 @@ class Trainer:
         elapsed = time.time() - t0
         metrics = {"step": self.step_index, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "step_time_s": elapsed, "data_wait_s": data_wait, "tokens_per_s": self.tokens_per_step / elapsed,
-                   "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"]}
+                   "loss_scale": stepped["loss_scale"], "skipped": stepped["skipped"],
+                   "windows": windows}  # the sampler's record: which windows this rank trained on (elastic runs prove
+        # with it that a world change dropped or repeated none)
         if tracer is not None:  # this rank's forward, backward and optimizer; the rest of the step it waited
             metrics["compute_s"] = tracer.take_compute_s()
         if s.outer is not None:  # local SGD: whether this step ended an outer step (the only communication)

@@ -1,26 +1,39 @@
-"""The run report: one self-contained HTML page (works offline: plotly.js inlined once) with the run's
-configuration, the loss curve (checkpoint saves, restarts and fp16's skipped steps marked; for fp16 runs the loss
-scale per step on a log axis beside it), the per-rank timeline, memory by category per rank beside theory's
-prediction (on CUDA with the allocator's figures and the GPU's utilisation), communication per traced step by
-mesh axis and collective beside theory's bytes, and for pipeline runs the bubble (plan beside measurement).
+"""The run report: one self-contained HTML page with the run's loss curve first (checkpoint saves, restarts and
+fp16's skipped steps marked, and for a run trained in several attempts each attempt shaded and labelled: started,
+resumed, restarted, preempted, its world size; for fp16 runs the loss scale per step on a log axis beside it), the
+attempts, the per-rank timeline, memory by category per rank beside theory's prediction (on CUDA with the
+allocator's figures and the GPU's utilisation), communication per traced step by mesh axis and collective beside
+theory's bytes, for pipeline runs the bubble (plan beside measurement), and the configuration: the settings that
+apply to the run's layout, the others folded (``applicable_settings``).
 
 Theory comes from ``workbench.theory`` (pure Python) for the run's own layout, so every measured number sits
 next to what the ZeRO paper (Rajbhandari et al. 2020), Megatron-LM (Shoeybi et al. 2019), Korthikanti et al.
 2022 and the pipeline schedules predict; where they differ the report prints both and the difference. The
 numbers behind the tables are also embedded as JSON (``<script id="workbench-report-data">``) for tests and
 tools. Presentation only: reads summary.json and the traces' plain records, never torch.distributed.
+
+Size and offline use: plotly.js (4.8 MB) is carried once, gzip-compressed and base64-encoded (2 MB), and the
+browser decompresses it (``DecompressionStream``) before drawing; each figure is its JSON (floats rounded to
+``FIGURE_DIGITS`` significant digits) in a non-executed script element. A 50-step 4-rank report is about 2 MB;
+nothing is fetched from the network.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import gzip
 import html
+import itertools
 import json
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from workbench.theory.comm import sp_grad_collectives, sp_vocab_collectives, tp_vocab_collectives
@@ -33,10 +46,12 @@ from workbench.viz.timeline import comm_table, steps_only, timeline
 
 def loss_curve(history: Sequence[dict[str, Any]], title: str = "global-batch loss per step",
                checkpoint_steps: Sequence[int] = (), restarts: Sequence[dict[str, Any]] = (),
-               skipped_steps: Sequence[int] = ()) -> go.Figure:
-    """The loss per step; ``checkpoint_steps`` (summary["checkpoint"]["written_steps"]) marked as saves, each
-    restart (summary["restarts"]: attempt, reason, and ``at_step`` or else ``last_step_done``) as a dashed line,
-    and fp16's ``skipped_steps`` (inf/NaN gradients: the weights did not move) as crossed circles."""
+               skipped_steps: Sequence[int] = (), attempts: Sequence[dict[str, Any]] = ()) -> go.Figure:
+    """The loss per step; ``checkpoint_steps`` (the run record's, else summary["checkpoint"]["written_steps"])
+    marked as saves, each restart (summary["restarts"]: attempt, reason, and ``at_step`` or else
+    ``last_step_done``) as a dashed line, fp16's ``skipped_steps`` (inf/NaN gradients: the weights did not move)
+    as crossed circles, and with more than one attempt (summary["attempts"]) each attempt's steps shaded and
+    labelled (how it began, its world size, a preemption that ended it)."""
     steps = [m["step"] for m in history]
     loss_at = {m["step"]: m["loss"] for m in history}
     fig = go.Figure(go.Scatter(x=steps, y=[m["loss"] for m in history], mode="lines+markers", name="loss"))
@@ -60,8 +75,42 @@ def loss_curve(history: Sequence[dict[str, Any]], title: str = "global-batch los
                                  name=f"restart {r.get('attempt', '?')} at step {at}",
                                  marker={"symbol": "x", "size": 12, "color": "#E45756"},
                                  hovertext=[str(r.get("reason", ""))], hoverinfo="text+name"))
-    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", height=350)
+    if len(attempts) > 1:
+        _mark_attempts(fig, attempts)
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title="loss", height=380 if len(attempts) > 1 else 350,
+                      margin={"t": 90 if len(attempts) > 1 else 60})
     return fig
+
+
+#: How an attempt began, as the loss curve and the attempts table say it.
+ATTEMPT_WORDS = {"start": "started", "resume": "resumed", "restart": "restarted", "shrink": "shrunk", "grow": "grown"}
+_SHADES = ("rgba(99,110,250,0.07)", "rgba(0,204,150,0.09)")
+
+
+def attempt_label(attempt: dict[str, Any]) -> str:
+    """One attempt in a few words: "attempt 2: resumed, world size 2" (what the curve and the table show)."""
+    cause = ATTEMPT_WORDS.get(attempt.get("cause", ""), str(attempt.get("cause")))
+    size = attempt.get("world_size")
+    return f"attempt {attempt['index'] + 1}: {cause}" + (f", world size {size}" if size is not None else "")
+
+
+def _mark_attempts(fig: go.Figure, attempts: Sequence[dict[str, Any]]) -> None:
+    """Each attempt's steps shaded (alternating), a dotted line where one begins, labels above the plot, and a
+    solid line where a preemption ended one. Attempts that trained no step (failed at once) are not drawn."""
+    drawn = [a for a in attempts if a.get("first_step") is not None]
+    for i, a in enumerate(drawn):
+        x0, x1 = a["first_step"] - 0.5, a["last_step"] + 0.5
+        fig.add_vrect(x0=x0, x1=x1, fillcolor=_SHADES[i % 2], line_width=0, layer="below")
+        fig.add_annotation(x=x0, y=1.0, xref="x", yref="paper", yanchor="bottom", xanchor="left", showarrow=False,
+                           text=html.escape(attempt_label(a)), font={"size": 11, "color": "#3d4ab8"},
+                           yshift=4 + 14 * (i % 2))  # alternate heights: short attempts' labels do not overlap
+        if i:
+            fig.add_vline(x=x0, line_dash="dot", line_color="#3d4ab8", line_width=1)
+        if a.get("outcome") == "preempted":
+            fig.add_vline(x=x1, line_color="#B279A2", line_width=2)
+            fig.add_annotation(x=x1, y=0.02, xref="x", yref="paper", xanchor="right", showarrow=False,
+                               text=f"preempted ({html.escape(str((a.get('preempted') or {}).get('signal')))})",
+                               font={"size": 11, "color": "#B279A2"})
 
 
 #: The legend name of fp16's skipped steps, on the loss curve and on the loss-scale panel alike.
@@ -140,7 +189,7 @@ def _table(rows: list[dict[str, Any]], empty: str = "(no communication recorded)
         return f"<p>{html.escape(empty)}</p>"
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
     body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row.values()) + "</tr>" for row in rows)
-    return f"<table border=1 cellpadding=4 style='border-collapse:collapse'><tr>{head}</tr>{body}</table>"
+    return f"<table class='wb'><tr>{head}</tr>{body}</table>"
 
 
 def _fmt(v: Any) -> str:
@@ -154,28 +203,29 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
     traces = [_trace(t) for t in traces]
     history = summary["history"]
     last_traced = max((c.step for t in traces for c in t.comms if c.step is not None), default=None)
-    checkpoint = summary.get("checkpoint") or {}
     scaler = loss_scale_trace(history, (summary.get("config") or {}).get("precision"))
-    figures = [loss_curve(history, checkpoint_steps=checkpoint.get("written_steps") or (),
-                          restarts=summary.get("restarts") or (), skipped_steps=scaler["skipped_steps"]),
+    figures = [loss_curve(history, checkpoint_steps=saved_steps(summary), restarts=summary.get("restarts") or (),
+                          skipped_steps=scaler["skipped_steps"], attempts=summary.get("attempts") or ()),
                *([loss_scale_curve(scaler)] if scaler["shown"] else []),
                metric_curves(history),
                timeline([steps_only(t) for t in traces],
                         title=f"per-rank timeline of the last traced steps ({summary['strategy']})")]
     parts = [f"<h1>workbench run: {html.escape(summary['strategy'])}</h1>",
-             f"<p>{summary['config']['nproc']} rank(s), model {html.escape(summary['config']['model'])} "
+             f"<p class='lead'>{summary['config']['nproc']} rank(s), model {html.escape(summary['config']['model'])} "
              f"({summary['n_params']:,} parameters), {len(history)} steps, final loss "
-             f"{summary['losses'][-1]:.4f}, median {summary['tokens_per_s']:.0f} tokens/s.</p>",
+             f"{summary['losses'][-1]:.4f}, median {summary['tokens_per_s']:.0f} tokens/s"
+             f"{_attempts_phrase(summary)}.</p>",
+             figure_html(figures[0], with_plotlyjs=True),  # the loss curve first: what a person looks for
              f"<p>final_params_sha256: <code>{summary['final_params_sha256']}</code></p>"]
     if summary.get("placement"):
         where = summary["placement"]
         parts.append(f"<p>ranks ran on {html.escape(where['device_name'])} ({html.escape(where['device'])} on rank 0, "
                      f"backend {html.escape(where['backend'])}).</p>")
+    parts += attempts_section(summary)
     parts += checkpoint_sentences(summary)
     if scaler["shown"]:
         parts.append(f"<p>{html.escape(loss_scale_sentence(scaler))}</p>")
-    for i, fig in enumerate(figures):
-        parts.append(figure_html(fig, with_plotlyjs=(i == 0)))
+    parts += [figure_html(fig) for fig in figures[1:]]
     if summary.get("mesh"):
         parts.append("<p>mesh: " + " x ".join(f"{html.escape(str(k))}={v}" for k, v in summary["mesh"].items())
                      + "</p>")
@@ -195,24 +245,135 @@ def write_report(path: str | Path, summary: dict[str, Any], traces: Sequence[Tra
     parts += memory_theory_section(memory)
     parts += config_section(summary)
     data = {"memory_vs_theory": memory, "comm_vs_theory": comm, "config": summary.get("config", {}),
-            "loss_scale": scaler}
+            "loss_scale": scaler, "attempts": summary.get("attempts") or []}
     parts.append(embedded_json("workbench-report-data", data))
-    path.write_text("<html><head><meta charset='utf-8'><title>workbench report</title></head><body>"
+    path.write_text("<!DOCTYPE html><html><head><meta charset='utf-8'><title>workbench report: "
+                    f"{html.escape(summary['strategy'])}</title><style>{REPORT_CSS}</style></head><body>"
                     + "\n".join(parts) + "</body></html>")
     return path
 
 
-#: A small template for every figure of the report: plotly's default template is ~7 KB of JSON per figure, and a
-#: report must stay under 5 MB with plotly.js (4.8 MB) inlined once.
+#: The report's look: readable type, a bounded width, tables with a header band, zebra rows and aligned digits.
+REPORT_CSS = (
+    "body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;color:#1f2430;line-height:1.45;"
+    "max-width:1240px;margin:0 auto;padding:20px 28px;background:#fff}"
+    "h1{font-size:1.7em;margin:.2em 0 .4em;padding-bottom:.25em;border-bottom:3px solid #636EFA}"
+    "h2{font-size:1.25em;margin-top:1.9em;padding-bottom:.2em;border-bottom:1px solid #d9dce5}"
+    "h3{font-size:1.05em;margin-top:1.4em}p.lead{font-size:1.1em}"
+    "code{background:#f1f3f8;padding:1px 4px;border-radius:3px;font-size:.92em;word-break:break-all}"
+    "table.wb{border-collapse:collapse;margin:.6em 0 1.2em;font-size:13px;font-variant-numeric:tabular-nums}"
+    "table.wb th{background:#e9ecf6;text-align:left;font-weight:600}"
+    "table.wb th,table.wb td{border:1px solid #d4d8e3;padding:4px 9px;vertical-align:top}"
+    "table.wb tr:nth-child(even) td{background:#f7f8fc}table.wb tr:hover td{background:#eef3ff}"
+    "details{margin:.4em 0 1.2em}summary{cursor:pointer;color:#3d4ab8}"
+    ".wb-figure{min-height:120px;margin:.6em 0}"
+)
+
+
+def saved_steps(summary: dict[str, Any]) -> list[int]:
+    """Every step a checkpoint was saved after: the whole run's (its record's), else this invocation's."""
+    recorded = (summary.get("record") or {}).get("checkpoint_steps")
+    return list(recorded) if recorded is not None else list((summary.get("checkpoint") or {}).get("written_steps")
+                                                            or ())
+
+
+#: A small template for every figure of the report: plotly's default template is ~7 KB of JSON per figure.
 _COMPACT = go.layout.Template(layout={"colorway": ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3",
                                                    "#FF6692", "#B6E880", "#FF97FF", "#FECB52"],
-                                      "plot_bgcolor": "#F4F6FA", "hovermode": "closest"})
+                                      "plot_bgcolor": "#F4F6FA", "hovermode": "closest",
+                                      "xaxis": {"zeroline": False}})
+#: Significant digits kept of every float a figure carries: far below what a plot can show, a third of the bytes.
+FIGURE_DIGITS = 5
+#: The element holding plotly.js, gzip-compressed and base64-encoded (``plotly_js_payload``).
+PLOTLY_ELEMENT_ID = "workbench-plotlyjs"
 
 
 def figure_html(fig: go.Figure, with_plotlyjs: bool = False) -> str:
-    """A figure as an HTML fragment with the compact template; plotly.js inlined only where asked (once)."""
+    """A figure as an HTML fragment: an empty ``div`` and the figure's JSON (compact template, floats rounded to
+    ``FIGURE_DIGITS``) in a non-executed script element, drawn once the page has loaded. ``with_plotlyjs`` (once
+    per page) adds plotly.js itself and the few lines that draw every figure of the page (``plotly_js_payload``)."""
     fig.update_layout(template=_COMPACT)
-    return fig.to_html(full_html=False, include_plotlyjs=with_plotlyjs)
+    figure = _rounded(json.loads(pio.to_json(fig, validate=False, pretty=False)), FIGURE_DIGITS)
+    div_id = f"wb-figure-{next(_FIGURE_IDS)}"
+    text = json.dumps(figure, separators=(",", ":")).replace("</", "<\\/")  # cannot close its script element
+    block = (f"<div id='{div_id}' class='wb-figure'></div>"
+             f"<script type='application/json' data-wb-figure='{div_id}'>{text}</script>")
+    return (plotly_js_payload() + block) if with_plotlyjs else block
+
+
+_FIGURE_IDS = itertools.count()
+
+
+def _rounded(value: Any, digits: int) -> Any:
+    """``value`` with every float rounded to ``digits`` significant digits (ints, strings and base64 arrays kept)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else None  # JSON.parse has no NaN
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v, digits) for v in value]
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_js_gzip_base64() -> str:
+    """The installed plotly.min.js, gzip-compressed (mtime 0: the same bytes every time) and base64-encoded:
+    1.5 MB of base64 text where the plain script is 4.8 MB."""
+    from plotly.offline import get_plotlyjs
+
+    return base64.b64encode(gzip.compress(get_plotlyjs().encode(), compresslevel=9, mtime=0)).decode()
+
+
+#: Draws every figure of the page: decompresses plotly.js with the browser's own ``DecompressionStream`` (Chromium
+#: 80, Firefox 113, Safari 16.4), runs it, then plots each figure's JSON into its div; says so on the page if the
+#: browser cannot. Offline: nothing is fetched. ``data-figures`` on <body> reads "drawn" when done (tests wait for it).
+_LOADER = """
+(function () {
+  async function draw() {
+    const figures = document.querySelectorAll("script[data-wb-figure]");
+    try {
+      if (!window.Plotly) {
+        const text = document.getElementById("%(id)s").textContent.trim();
+        const bytes = Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
+        const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+        const script = document.createElement("script");
+        script.textContent = await new Response(stream).text();
+        document.head.appendChild(script);
+      }
+      for (const holder of figures) {
+        const fig = JSON.parse(holder.textContent);
+        Plotly.newPlot(holder.dataset.wbFigure, fig.data, fig.layout || {}, {responsive: true, displaylogo: false});
+      }
+      document.body.dataset.figures = "drawn";
+    } catch (error) {
+      document.body.dataset.figures = "failed";
+      for (const holder of figures) {
+        document.getElementById(holder.dataset.wbFigure).textContent =
+          "This browser could not draw the figure (" + error + "); the numbers are in the tables.";
+      }
+    }
+  }
+  if (document.readyState === "loading") { document.addEventListener("DOMContentLoaded", draw); } else { draw(); }
+})();
+"""
+
+
+def plotly_js_payload() -> str:
+    """plotly.js once (compressed, ``_plotly_js_gzip_base64``) and the script that draws the page's figures."""
+    return (f"<script type='application/octet-stream' id='{PLOTLY_ELEMENT_ID}'>{_plotly_js_gzip_base64()}</script>"
+            f"<script>{_LOADER % {'id': PLOTLY_ELEMENT_ID}}</script>")
+
+
+def read_figures(page: str) -> list[dict[str, Any]]:
+    """Every figure a page carries (``figure_html``), in page order, as plotly JSON: for tests and tools."""
+    found = re.finditer(r"<script type='application/json' data-wb-figure='[^']*'>(.*?)</script>", page, re.S)
+    return [json.loads(m.group(1)) for m in found]
+
+
+def read_plotly_js(page: str) -> str:
+    """The plotly.js a page carries (``plotly_js_payload``), decompressed: for tests and tools."""
+    start = page.index(f"id='{PLOTLY_ELEMENT_ID}'>") + len(f"id='{PLOTLY_ELEMENT_ID}'>")
+    return gzip.decompress(base64.b64decode(page[start:page.index("</script>", start)])).decode()
 
 
 def embedded_json(element_id: str, data: Any) -> str:
@@ -227,12 +388,55 @@ def read_embedded_json(page: str, element_id: str = "workbench-report-data") -> 
     return json.loads(page[start:page.index("</script>", start)])  # JSON reads the escaped "<\/" as "</"
 
 
+def attempts_section(summary: dict[str, Any]) -> list[str]:
+    """The run's attempts (summary["attempts"], from its record): how each began, on how many ranks, the steps
+    it trained (a step redone later counts for the attempt that redid it on the curve) and how it ended."""
+    attempts = summary.get("attempts") or []
+    if len(attempts) < 2:
+        return []
+    rows = [{"attempt": a["index"] + 1, "began": ATTEMPT_WORDS.get(a.get("cause", ""), a.get("cause")),
+             "world size": "" if a.get("world_size") is None else a["world_size"],
+             "layout": " ".join(f"{k}={v}" for k, v in (a.get("layout") or {}).items() if v not in (None, 1, 0)),
+             "steps": "none" if a.get("first_step") is None else f"{a['first_step']} - {a['last_step']}",
+             "ended": _ending(a)} for a in attempts]
+    return [f"<h2>one run in {len(attempts)} attempts (shaded on the loss curve)</h2>",
+            "<p>The loss curve and the step metrics cover every attempt, from step 0, as the run's record "
+            "(<code>record.jsonl</code> beside the checkpoints) kept them: a step trained again after a restart or "
+            "a rollback counts once, as the attempt that trained it last.</p>", _table(rows)]
+
+
+def _attempts_phrase(summary: dict[str, Any]) -> str:
+    """", in 3 attempts (2 resumed)" for the report's first sentence; "" for a run of one attempt."""
+    attempts = summary.get("attempts") or []
+    if len(attempts) < 2:
+        return ""
+    causes: dict[str, int] = {}
+    for a in attempts[1:]:
+        word = ATTEMPT_WORDS.get(a.get("cause", ""), str(a.get("cause")))
+        causes[word] = causes.get(word, 0) + 1
+    return f", in {len(attempts)} attempts ({', '.join(f'{n} {word}' for word, n in causes.items())})"
+
+
+def _ending(attempt: dict[str, Any]) -> str:
+    outcome = attempt.get("outcome") or "unknown"
+    if outcome == "preempted":
+        pre = attempt.get("preempted") or {}
+        return f"preempted by {pre.get('signal')} after step {pre.get('step')}"
+    if outcome == "failed" and attempt.get("failure"):
+        failure = attempt["failure"]
+        return f"failed: {failure.get('reason')}" + (f" (rank {failure['rank']})" if failure.get("rank") is not None
+                                                     else "")
+    if outcome == "interrupted":
+        return "interrupted (the process ended without a word: killed, or lost with its machine)"
+    return outcome
+
+
 def checkpoint_sentences(summary: dict[str, Any]) -> list[str]:
     """Where checkpoints were saved and when the run restarted (both also marked on the loss curve)."""
     parts = []
     ckpt = summary.get("checkpoint") or {}
-    if ckpt.get("written_steps"):
-        steps = ", ".join(str(s) for s in ckpt["written_steps"])
+    if saved := saved_steps(summary):
+        steps = ", ".join(str(s) for s in saved)
         parts.append(f"<p>checkpoints saved after step(s) {steps} in <code>{html.escape(str(ckpt.get('dir')))}"
                      f"</code> (diamonds on the loss curve)"
                      + (f"; the run resumed from the checkpoint of step {ckpt['resumed_from_step']}"
@@ -350,11 +554,80 @@ def parameter_server_section(ps: dict[str, Any]) -> list[str]:
             _table(stale)]
 
 
+def _emulated(c: dict[str, Any]) -> bool:
+    return any(c.get(k) is not None for k in ("nodes", "intra_link", "inter_link", "distribution"))
+
+
+#: Settings that only mean something in some runs, with the rule (``training.config.RunConfig``'s validation says
+#: the same: e.g. "schedule, microbatches and virtual_stages are pipeline settings: they need pp > 1") and its
+#: words. The configuration table shows a setting whose rule holds; the rest are folded under it.
+CONDITIONAL_SETTINGS: tuple[tuple[tuple[str, ...], Callable[[dict[str, Any]], bool], str], ...] = (
+    (("schedule", "microbatches", "virtual_stages"), lambda c: c.get("pp", 1) > 1, "a pipeline (pp > 1)"),
+    (("sp",), lambda c: c.get("tp", 1) > 1, "tensor parallelism (tp > 1)"),
+    (("cp_layout",), lambda c: c.get("cp", 1) > 1, "context parallelism (cp > 1)"),
+    (("moe_top_k", "moe_capacity_factor", "moe_aux_loss_coef", "ep"), lambda c: bool(c.get("moe_experts")),
+     "a mixture of experts (moe_experts > 0)"),
+    (("init_loss_scale", "loss_scale_growth_interval"), lambda c: c.get("precision") == "fp16",
+     "fp16's loss scaling (precision fp16)"),
+    (("reduce_dtype",), lambda c: c.get("precision", "fp32") != "fp32" or c.get("reduce_dtype", "fp32") != "fp32",
+     "mixed precision"),
+    (("zero3_replicate",), lambda c: c.get("zero") == 3, "ZeRO-3"),
+    (("ddp", "bucket_mb"), lambda c: c.get("dp", 1) > 1 and c.get("zero", 0) == 0 and c.get("local_steps") is None
+     and c.get("ps_servers") is None, "DDP's gradient all-reduce (dp > 1, no ZeRO)"),
+    (("powersgd_rank",), lambda c: c.get("grad_compression") == "powersgd", "PowerSGD compression"),
+    (("topk_ratio",), lambda c: c.get("grad_compression") == "topk", "top-k compression"),
+    (("compression_warmup",), lambda c: c.get("grad_compression", "none") != "none", "gradient compression"),
+    (("outer_optimizer", "outer_lr"), lambda c: c.get("local_steps") is not None, "local SGD (local_steps)"),
+    (("outer_momentum",), lambda c: c.get("local_steps") is not None and c.get("outer_optimizer") == "nesterov",
+     "local SGD's Nesterov outer step"),
+    (("ps_async",), lambda c: c.get("ps_servers") is not None, "a parameter server (ps_servers)"),
+    (("max_staleness",), lambda c: bool(c.get("ps_async")), "an asynchronous parameter server"),
+    (("ckpt_every", "keep", "resume", "async_ckpt"), lambda c: c.get("ckpt_dir") is not None,
+     "checkpoints (ckpt_dir)"),
+    (("val_fraction",), lambda c: c.get("val_every") is not None, "validation (val_every)"),
+    (("intra_link", "inter_link", "time_scale", "distribution"), _emulated, "emulated links (nodes or links)"),
+    (("netns",), lambda c: c.get("nodes") is not None, "emulated nodes"),
+)
+#: Optional features: shown while on, folded while off (None, False or empty).
+OPTIONAL_SETTINGS = ("ckpt_dir", "local_steps", "ps_servers", "val_every", "sdc_check_every", "inject_fault",
+                     "export", "data", "straggler", "nodes", "device", "backend", "offload", "extra", "min_nproc",
+                     "moe_experts", "max_restarts")
+
+
+def applicable_settings(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings that apply to this run, and the others with the condition they wait for (``CONDITIONAL_SETTINGS``,
+    ``OPTIONAL_SETTINGS``); every setting lands in exactly one of the two."""
+    folded: dict[str, str] = {}
+    for names, applies, needs in CONDITIONAL_SETTINGS:
+        try:
+            holds = applies(config)
+        except TypeError:  # a hand-written summary's odd value: show the setting rather than guess
+            holds = True
+        if not holds:
+            folded.update({n: f"applies with {needs}" for n in names if n in config})
+    for name in OPTIONAL_SETTINGS:
+        if name in config and name not in folded and config[name] in (None, False, {}, []):
+            folded[name] = "off (not set)"
+    shown = {k: v for k, v in config.items() if k not in folded}
+    return shown, folded
+
+
 def config_section(summary: dict[str, Any]) -> list[str]:
-    """The run's configuration (summary.json's ``config``) as a two-column table."""
+    """The run's configuration (summary.json's ``config``): the settings that apply to its layout as a table, the
+    others (another layout's, features left off) folded in a ``<details>`` with the condition each waits for."""
     config = summary.get("config") or {}
-    rows = [{"setting": k, "value": json.dumps(v) if isinstance(v, dict | list) else v} for k, v in config.items()]
-    return ["<h2>configuration</h2>", _table(rows, empty="(no configuration recorded)")]
+    shown, folded = applicable_settings(config)
+
+    def value(v: Any) -> Any:
+        return json.dumps(v) if isinstance(v, dict | list) else v
+
+    rows = [{"setting": k, "value": value(v)} for k, v in shown.items()]
+    parts = ["<h2>configuration</h2>", _table(rows, empty="(no configuration recorded)")]
+    if folded:
+        rest = [{"setting": k, "value": value(config[k]), "why not shown": why} for k, why in folded.items()]
+        parts += [f"<details><summary>{len(rest)} more settings that do not apply to this run's layout or are "
+                  f"off</summary>", _table(rest), "</details>"]
+    return parts
 
 
 # ---------------------------------------------------------------------------------------------------------
