@@ -681,7 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _labs_parser(sub: Any) -> None:
-    labs = sub.add_parser("labs", help="list the labs, copy one to work in, grade a notebook headless")
+    labs = sub.add_parser("labs", help="list the labs, copy one to work in, grade a notebook headless, "
+                                       "export them for nbgrader")
     verbs = labs.add_subparsers(dest="verb", required=True)
     verbs.add_parser("list", help="the labs and what each asks you to write")
     start = verbs.add_parser("start", help="copy a lab into a folder of yours (the original stays untouched)")
@@ -690,6 +691,36 @@ def _labs_parser(sub: Any) -> None:
     check = verbs.add_parser("check", help="run your lab notebook headless and grade each exercise (exit 0: all pass)")
     check.add_argument("notebook", help="path of your lab notebook (.ipynb)")
     check.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
+    export = verbs.add_parser("export", help="write the labs as an nbgrader course source, with the reference "
+                                             "solutions marked and each checker an autograded test (instructors)")
+    export.add_argument("--nbgrader", required=True, metavar="DIR", help="the nbgrader course folder: writes "
+                        "DIR/source/<lab>/<lab>.ipynb and DIR/nbgrader_config.py")
+    export.add_argument("names", nargs="*", metavar="LAB", help="lab numbers or names (default: every lab)")
+    export.add_argument("--solutions", metavar="PATH", help="the folder of reference solutions (default: the "
+                        "checkout's labs/solutions; they never ship in the wheel)")
+    export.add_argument("--points", type=_positive_int, default=1, help="points per exercise (default 1)")
+    export.add_argument("--force", action="store_true", help="overwrite source notebooks already in DIR")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def _labs_export(args: argparse.Namespace) -> None:
+    from workbench.labs.nbgrader_export import export
+
+    written = export(args.nbgrader, args.names, solutions=args.solutions, points=args.points, force=args.force)
+    for path in written:
+        print(f"wrote {path}")
+    first = written[0].parent.name
+    print(f"next, in {args.nbgrader}:  nbgrader generate_assignment {first}   (the release: "
+          f"release/{first}/, solutions cut out)")
 
 
 def _labs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -702,6 +733,8 @@ def _labs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         elif args.verb == "start":
             copy = grading.start(args.name, args.folder)
             print(f"copied to {copy}\nopen it:   jupyter lab {copy}\ngrade it:  workbench labs check {copy}")
+        elif args.verb == "export":
+            _labs_export(args)
         else:
             verdicts = grading.grade(args.notebook, timeout=args.timeout)
             print(grading.report(verdicts))
