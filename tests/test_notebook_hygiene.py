@@ -178,7 +178,7 @@ def test_no_stored_outputs_and_no_absolute_paths(path: Path):
 @pytest.mark.parametrize(("text", "expect"), [
     ("see `BENCHMARKS.md` for numbers", "'BENCHMARKS.md'"),
     ("as notebook 99 shows", "'notebook 99'"),
-    ("notebooks 04/11 measure it", "'notebooks 11'"),
+    ("notebooks 04/98 measure it", "'notebooks 98'"),  # 11 exists now (training health)
     ("open 13_no_such_notebook.ipynb", "'13_no_such_notebook.ipynb'"),
     ("read ../shared/CURRICULUM.md", "learner's checkout does not have it"),
     ("read ../../outside.md", "outside the repo"),

@@ -34,6 +34,7 @@ OVERRIDES: dict[str, dict] = {
     "08": {"STEPS": 3, "SWEEP_M": [2]},
     "09": {"STEPS": 2},
     "10": {"STEPS": 6, "FAULT_STEP": 3, "SAVE_REPEATS": 1},
+    "11": {"STEPS": 28, "SDC_EVERY": 3, "NAN_STEP": 2},
     "12": {"SIZES": [2 ** 14, 2 ** 22], "REPS": 2, "STEPS": 3, "SCALING_WORLDS": [1, 4]},
     "13": {"STEPS": 4, "PS_WORKERS": [1, 2], "PS_STEPS": 3, "STRAGGLER_STEPS": 4, "LOCAL_STEPS": [1, 2]},
     "14": {"WORLD": 2, "SEQ_LEN": 64, "BALANCE_SEQ_LEN": 256, "REPS": 2, "STEPS": 3},

@@ -18,6 +18,9 @@ The signals a course on training at scale asks a learner to watch, each measured
   ``--sdc-check-every`` steps each replica fingerprints what must be identical, the fingerprints are gathered and
   compared, and the ranks that disagree with the majority are named (Meta and Google both report silent data
   corruption in their fleets at roughly one machine per thousand: Dixit et al. 2021, Hochschild et al. 2021).
+* Corrupted batches, for teaching (``corrupted_corpus``): a copy of the corpus in which the windows the sampler
+  serves at chosen steps are random characters, so a run's loss spikes (or, corrupted a little more each step,
+  rises for good) from bad data, a real mechanism (notebook 11, lab 11's recorded runs).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -270,3 +273,48 @@ class HealthMonitor:
         self.events[-1]["rolled_back_to_step"] = to_step
         self.detector.reset()
         self.rollbacks += 1
+
+
+def step_windows(num_windows: int, global_batch: int, step: int, seed: int = 0) -> list[int]:
+    """The windows the run's sampler serves at ``step`` (every data-parallel rank's, in rank order): the sampler is
+    a pure function of (seed, step), so a batch can be found, and corrupted, before the run starts."""
+    from workbench.data import ShardedSampler
+
+    return ShardedSampler(num_windows, global_batch, seed=seed).global_indices(step)
+
+
+def corrupt_windows(text: str, windows: Sequence[int], seq_len: int, seed: int = 0) -> str:
+    """``text`` (ASCII: one byte per token) with the input tokens of ``windows`` replaced by random printable
+    characters, a corrupted batch: what a bad shard or a broken decompressor feeds a run. Window i's inputs are
+    tokens ``[i*T, (i+1)*T)``; the previous window's last target (token i*T) changes too, one token in T."""
+    if not text.isascii():
+        raise ValueError("corrupt_windows needs an ASCII text (one byte per token); this one has multi-byte "
+                         "characters")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    chars = list(text)
+    for w in windows:
+        start, stop = w * seq_len, (w + 1) * seq_len
+        if w < 0 or stop > len(chars):
+            raise ValueError(f"window {w} of {seq_len} tokens lies outside the text's {len(chars)} tokens")
+        noise = torch.randint(32, 127, (seq_len,), generator=g, device="cpu").tolist()
+        chars[start:stop] = map(chr, noise)
+    return "".join(chars)
+
+
+def corrupted_corpus(cfg: Any, path: str, batches: Mapping[int, int], seed: int = 0) -> list[int]:
+    """Write to ``path`` the corpus ``cfg`` trains on with ``batches[step]`` windows of each listed step's global
+    batch corrupted (``corrupt_windows``; a count above the batch corrupts all of it), and return the corrupted
+    windows. Run ``cfg`` with ``data=path`` and the loss responds to a real mechanism, bad data, not a planted
+    number: one whole batch gives a spike at its step, a growing share of every batch a sustained rise. The
+    train/validation split is ``cfg``'s, so the windows are the ones its sampler really serves."""
+    from workbench.data import load_corpus
+
+    seq_len = cfg.gpt_config().seq_len
+    text = load_corpus(cfg.data)
+    total = (len(text) - 1) // seq_len  # TokenDataset's window count: targets need one token more
+    train = split_windows(total, cfg.val_fraction).train if cfg.val_every else total
+    windows = [w for step, count in sorted(batches.items()) if count > 0
+               for w in step_windows(train, cfg.batch_size, step, cfg.seed)[:count]]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(corrupt_windows(text, windows, seq_len, seed))
+    return windows
