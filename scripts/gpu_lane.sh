@@ -14,6 +14,9 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible: the GPU lane needs one')" || exit 2
+# The package's own dependencies must be there (a GPU machine without registry access: carry their wheels and
+# `python -m pip install --no-deps` them); without plotly the runs that write a report would fail for that alone.
+python -c "import plotly, cloudpickle, tqdm, numpy" || { echo "the GPU lane needs the package's dependencies (plotly, cloudpickle, tqdm, numpy) importable by this python" >&2; exit 2; }
 python -m workbench.cli env --json > "$out/environment.json"
 python -m pytest -q -m gpu tests/test_gpu.py -rs --junitxml "$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
