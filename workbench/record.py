@@ -147,7 +147,7 @@ class RunRecord:
         line = {**line, "invocation": self.invocation, "time": round(time.time(), 3)}
         self.lines.append(line)
         if self.path is not None:
-            text = json.dumps(_json_safe(line), allow_nan=False, separators=(",", ":"), default=str)
+            text = json.dumps(json_safe(line), allow_nan=False, separators=(",", ":"), default=str)
             try:
                 self._write_bytes(text.encode() + b"\n")
             except OSError as exc:  # a full or vanished disk must not stop the training: the record goes on in memory
@@ -263,12 +263,13 @@ def checkpoint_steps(lines: list[dict[str, Any]]) -> list[int]:
     return sorted({line["step"] for line in lines if line["kind"] == "checkpoint" and line.get("step") is not None})
 
 
-def _json_safe(value: Any) -> Any:
-    """NaN and inf (a diverged loss, a skipped fp16 step's gradient norm) as null: strict JSON has no NaN."""
+def json_safe(value: Any) -> Any:
+    """``value`` for strict JSON (summary.json, traces.json and the record): NaN and inf (a diverged loss, a skipped
+    fp16 step's gradient norm) as null, since strict JSON has no NaN."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value

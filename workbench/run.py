@@ -630,26 +630,16 @@ def _pipeline_summary(cfg: RunConfig, traces: list[Any]) -> dict[str, Any]:
 
 
 def write_outputs(out: Path, summary: dict[str, Any], traces: list[Any]) -> None:
+    from workbench.record import json_safe
     from workbench.viz.report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2, allow_nan=False))
-    (out / "traces.json").write_text(json.dumps(_json_safe([t.to_dict() for t in traces]), allow_nan=False))
+    (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, allow_nan=False))
+    (out / "traces.json").write_text(json.dumps(json_safe([t.to_dict() for t in traces]), allow_nan=False))
     write_report(out / "report.html", summary, traces)
     kept = (summary.get("record") or {}).get("path")
     if kept and Path(kept).is_file() and Path(kept).resolve() != (out / Path(kept).name).resolve():
         shutil.copyfile(kept, out / Path(kept).name)  # the run's record beside its summary (workbench.record)
-
-
-def _json_safe(value: Any) -> Any:
-    """NaN and inf (a skipped fp16 step's gradient norm, a diverged loss) as null: strict JSON has no NaN."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 class LiveRun:
