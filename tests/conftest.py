@@ -22,13 +22,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "numerics: compares computations that sum in another order (ranks vs one "
                                        "process, shards, collectives); .ci/run runs them again under "
                                        "ATEN_CPU_CAPABILITY=default, the portable instruction set")
+    config.addinivalue_line("markers", "docker: builds docker/Dockerfile and runs the image (starts dockerd where "
+                                       "none runs); runs with `-m docker`, as .ci/run does last")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The extended lane runs only when asked for: it would push the README's test command past 20 minutes."""
-    if "extended" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="extended lane: run it with `python -m pytest -q -m extended` (.ci/run does)")
-    for item in items:
-        if "extended" in item.keywords:
-            item.add_marker(skip)
+    """The extended and docker lanes run only when asked for: they would push the README's test command past 20
+    minutes."""
+    markexpr = config.getoption("markexpr") or ""
+    # The docker lane builds an image (minutes): only when asked for, like the extended lane.
+    for lane in ("extended", "docker"):
+        if lane in markexpr:
+            continue
+        skip = pytest.mark.skip(reason=f"{lane} lane: run it with `python -m pytest -q -m {lane}` (.ci/run does)")
+        for item in items:
+            if item.get_closest_marker(lane) is not None:
+                item.add_marker(skip)
