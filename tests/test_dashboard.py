@@ -329,3 +329,76 @@ def test_a_moe_run_gets_expert_load_and_dropped_panels() -> None:
     assert not any("expert" in (t.name or "") for t in dense.figure.data)
     with pytest.raises(ValueError, match="experts must be an int >= 0"):
         Dashboard(nproc=1, steps=2, experts=-1)
+
+
+# -- beyond all-reduce (issue 22 item 5): compression ratio, staleness histogram, server load ---------------------
+
+
+def test_a_compressed_run_gets_its_ratio_and_bytes_per_step() -> None:
+    """Rank 0's compression ratio and gradient bytes per step; rank 1's (other values) stay out of the curves."""
+    board = Dashboard(nproc=2, steps=4, live=False, min_interval_s=0, compression=True)
+    for step in range(3):
+        for rank in range(2):
+            board.update(rank, {**_metrics(rank, step), "compression_ratio": 8.0 + step + 100 * rank,
+                                "grad_bytes_sent": (step + 1) * MIB * (rank + 1)})
+    board.update(0, {**_metrics(0, 1, attempt=1), "compression_ratio": 20.0, "grad_bytes_sent": MIB})  # redone
+    board.flush()
+    ratio, sent = _trace(board, "compression ratio"), _trace(board, "gradient bytes sent")
+    assert list(ratio.x) == [0, 1, 2] and list(ratio.y) == [8.0, 20.0, 10.0]
+    assert list(sent.y) == pytest.approx([1.0, 1.0, 3.0])  # MiB
+    titles = [a.text for a in board.figure.layout.annotations]
+    assert any(t.startswith("compression ratio per step") for t in titles)
+    plain = Dashboard(nproc=1, steps=2, live=False)
+    assert not any(t.name in ("compression ratio", "staleness") for t in plain.figure.data)
+
+
+def _server_update(server: int, updates: int, staleness: list[int], bytes_in: int, bytes_out: int) -> dict:
+    """What param_server_run._server_metrics streams after an update."""
+    return {"step": updates - 1, "rank": 2 + server, "attempt": 0, "ps_server": server, "ps_staleness": staleness,
+            "ps_updates": updates, "ps_bytes_in": bytes_in, "ps_bytes_out": bytes_out}
+
+
+def test_a_parameter_server_gets_a_staleness_histogram_and_each_servers_load() -> None:
+    board = Dashboard(nproc=4, steps=4, live=False, min_interval_s=0, ps_servers=[2, 3], experts=2,
+                      compression=True)  # every optional row at once: the indices of each must hold
+    board.update(0, _metrics(0, 0))
+    board.update(2, _server_update(0, 1, [0], MIB, 2 * MIB))
+    board.update(2, _server_update(0, 2, [1], 2 * MIB, 4 * MIB))
+    board.update(2, _server_update(0, 2, [2], 2 * MIB, 4 * MIB))  # a restart redid update 2: it replaces
+    board.update(3, _server_update(1, 1, [0], MIB // 2, MIB))
+    board.flush()
+    histogram = _trace(board, "staleness")
+    assert board.staleness_histogram() == {0: 2, 2: 1}
+    assert list(histogram.x) == [0, 2] and list(histogram.y) == [2, 1]
+    bytes_in, bytes_out = _trace(board, "server in"), _trace(board, "server out")
+    assert list(bytes_in.x) == ["server 0 (rank 2)", "server 1 (rank 3)"]
+    assert list(bytes_in.y) == pytest.approx([2.0, 0.5]) and list(bytes_out.y) == pytest.approx([4.0, 1.0])
+    assert list(bytes_in.customdata) == [2, 1]  # updates, on hover
+    assert list(board.figure.data[0].y) == [5.0]  # a server's update is no step of rank 0's
+    assert all(len(board.step_time[r]) == 0 for r in (2, 3))
+    assert board.figure.layout.height == 900 + 3 * 220
+
+
+@pytest.mark.parametrize("servers", [[0, 1], [2], [True], "01"])
+def test_bad_server_ranks_are_refused(servers) -> None:
+    with pytest.raises(ValueError, match=r"ps_servers must be the server ranks, each an int in 0\.\.1"):
+        Dashboard(nproc=2, steps=2, ps_servers=servers)
+
+
+@pytest.mark.extended  # real ranks (~20 s on 2 cores); the views themselves are tested above without ranks
+def test_a_real_async_parameter_server_streams_what_its_summary_holds() -> None:
+    """Every server's streamed updates add up to summary.json's staleness histogram and bytes; the workers'
+    steps fill the step-time panel (async: staleness > 0 is possible, the counts must agree whatever it is)."""
+    from workbench.cli import run_training
+    from workbench.train import RunConfig
+
+    cfg = RunConfig(nproc=3, ps_servers=1, ps_async=True, steps=3, seq_len=32, batch_size=8, timeout=60)
+    board = Dashboard(nproc=3, steps=3, live=False, min_interval_s=0, ps_servers=[2])
+    summary = run_training(cfg, progress=False, on_metrics=board.update)
+    ps = summary["parameter_server"]
+    assert board.staleness_histogram() == {int(k): v for k, v in ps["staleness_histogram"].items()}
+    assert sum(board.staleness_histogram().values()) >= 3 * 2  # steps x workers gradients, at least
+    load, server = board.server_load[0], ps["per_server"][0]
+    assert (load["ps_bytes_in"], load["ps_bytes_out"], load["ps_updates"]) == (
+        server["bytes_in"], server["bytes_out"], server["updates"])  # the final report has the last sends too
+    assert [len(board.step_time[r]) > 0 for r in range(3)] == [True, True, False]

@@ -742,8 +742,9 @@ def run_live(cfg: RunConfig, out: str | Path | None = None, front_end: bool | No
     if not all(hasattr(cfg, name) for name in ("nproc", "steps", "extra", "timeout")):
         raise ValueError(f"cfg must be a workbench.train.RunConfig, got {type(cfg).__name__}")
     front_end = has_widget_front_end() if front_end is None else front_end
+    servers = list(range(cfg.nproc - cfg.ps_servers, cfg.nproc)) if cfg.ps_servers else []  # the last S ranks
     dashboard = Dashboard(cfg.nproc, cfg.steps, live=front_end, min_interval_s=min_interval_s,
-                          experts=cfg.moe_experts)
+                          experts=cfg.moe_experts, compression=cfg.grad_compression != "none", ps_servers=servers)
     handle = LiveRun(cfg, out, dashboard)
     if front_end:
         display_widget(dashboard, f"live dashboard: {cfg.nproc} rank(s), {cfg.steps} step(s)")

@@ -37,6 +37,12 @@ Modes (``ParameterServer.serve``):
            reply until the slowest catches up. K = 0 is lock-step rounds (still applied one gradient at a time);
            ``None`` is unbounded.
 
+Checkpoints: a server's ``state_dict`` is its shard by name, its optimizer's state, its version and the last
+update's (norm, loss); ``load_state_dict`` puts them back and ``serve`` then takes steps ``version``..``steps-1``,
+so a synchronous run resumed from a checkpoint is the unbroken run bit for bit (``training.param_server_run`` saves
+and loads them with the workers' data positions). ``serve(steps, on_update)`` calls ``on_update(server)`` after
+every update: the run saves and streams its metrics there.
+
 What crosses the links (``theory.param_server.step_bytes`` says the same): per worker and step, every parameter
 once each way (4 bytes an element) plus the headers; per server and step, W workers times its shard each way, which
 is why the server's link saturates as workers are added while a ring all-reduce's per-rank bytes stay ~2P.
@@ -183,9 +189,31 @@ class ParameterServer:
         self.version = 0
         self.last = (0.0, 0.0)  # the last update's (gradient norm, loss): the pull header tells the workers
         self.stats = ServerStats(mode, len(self.workers))
+        self._on_update: Callable[[ParameterServer], None] | None = None
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in zip(self.shard.names, self.params, strict=True)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a synchronous resume needs to take the next update as an unbroken run would: the shard's
+        parameters by name, its optimizer's state, the version (the lr schedule's step) and the last update's
+        (norm, loss), which the first pull after a resume reports. Tensors are copies: saving never aliases the
+        buffer the next update changes."""
+        return {"params": {n: t.clone() for n, t in self.named_parameters().items()},
+                "optim": self.optimizer.state_dict(), "version": self.version, "last": list(self.last)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what ``state_dict`` returned; ``ValueError`` if it holds another shard (other names)."""
+        names = list(state["params"])
+        if names != self.shard.names:
+            raise ValueError(f"server {self.index}'s checkpoint holds parameters {names[:4]}... but this server's "
+                             f"shard is {self.shard.names[:4]}...: it was saved with another model or number of "
+                             f"servers; resume with the saved --ps-servers and model")
+        with torch.no_grad():
+            for p, name in zip(self.params, self.shard.names, strict=True):
+                p.copy_(state["params"][name])  # into the flat buffer's views: the optimizer's tensors stay
+        self.optimizer.load_state_dict(state["optim"])
+        self.version, self.last = int(state["version"]), (float(state["last"][0]), float(state["last"][1]))
 
     # -- messages -------------------------------------------------------------------------------------------------
 
@@ -246,8 +274,12 @@ class ParameterServer:
 
     # -- serving --------------------------------------------------------------------------------------------------
 
-    def serve(self, steps: int) -> ServerStats:
+    def serve(self, steps: int, on_update: Callable[[ParameterServer], None] | None = None) -> ServerStats:
+        """Serve until the run's end; ``on_update(self)`` after every update (in sync after its parameters went
+        out: a checkpoint saved there holds what every worker has pulled). In sync a server resumed from a
+        checkpoint (``load_state_dict``) takes steps ``version``..``steps - 1``."""
         t0 = time.perf_counter()
+        self._on_update = on_update
         sends = (self._serve_sync if self.mode == "sync" else self._serve_async)(steps)
         for work in sends:
             work.wait()
@@ -258,7 +290,7 @@ class ParameterServer:
         sends: list[comm.Work] = []
         for w in self.workers:
             sends += self._send_params(w)
-        for _ in range(steps):
+        for _ in range(self.version, steps):  # a resumed server starts at its checkpoint's version
             total, staleness, losses = None, [], []
             for w in self.workers:  # worker order: the same sum on every run
                 _, header, grad = self._recv_push(w)
@@ -272,7 +304,12 @@ class ParameterServer:
             sends = _settled(sends)  # every worker took its last pull before it pushed: these are done
             for w in self.workers:
                 sends += self._send_params(w, stop=self.version == steps)
+            self._updated()
         return sends
+
+    def _updated(self) -> None:
+        if self._on_update is not None:
+            self._on_update(self)
 
     def _serve_async(self, steps: int) -> list[comm.Work]:
         """Apply pushes in arrival order (``comm.recv_any`` on the header: whichever worker is first), then answer
@@ -297,6 +334,7 @@ class ParameterServer:
                 else:
                     norm = math.sqrt(float(header[2]))  # the worker's whole gradient, what every server applies
                     self._apply(grad, [self.version - int(header[0])], norm, float(header[3]))
+                    self._updated()
                     clock[w] += 1
                     held[w] = time.perf_counter()
             stop = self.index == 0 and self.stats.updates >= budget

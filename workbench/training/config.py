@@ -245,6 +245,7 @@ class RunConfig:
             for name in ("ps_async", "max_staleness"):
                 if getattr(self, name) not in (None, False):
                     raise ValueError(f"{name}={getattr(self, name)!r} needs a parameter server (--ps-servers S)")
+            self._validate_ps_resume()
             return
         from workbench.parallel.param_server import check_staleness
 
@@ -253,14 +254,20 @@ class RunConfig:
             raise ValueError(f"max_staleness={self.max_staleness} bounds asynchronous workers: it needs --ps-async "
                              f"(a synchronous server is never stale)")
         unsupported = {"precision": (self.precision, "fp32"), "recompute": (self.recompute, "none"),
-                       "ckpt_dir": (self.ckpt_dir, None), "val_every": (self.val_every, None),
-                       "inject_fault": (self.inject_fault, None), "netns": (self.netns, False),
-                       "export": (self.export, None)}
+                       "val_every": (self.val_every, None), "inject_fault": (self.inject_fault, None),
+                       "netns": (self.netns, False), "export": (self.export, None),
+                       "async_ckpt": (self.async_ckpt, False)}
         for name, (value, plain) in unsupported.items():
             if value != plain:
                 raise ValueError(f"{name}={value!r} with ps_servers={self.ps_servers}: the parameter server's run "
-                                 f"path trains fp32 replicas without checkpoints, validation, faults, shaped links "
-                                 f"or export so far; leave --{name.replace('_', '-')} out")
+                                 f"path trains fp32 replicas without validation, faults, shaped links, export or "
+                                 f"background checkpoint writes so far; leave --{name.replace('_', '-')} out")
+        if self.ps_async and self.ckpt_dir is not None:
+            raise ValueError(f"ckpt_dir={self.ckpt_dir!r} with ps_async: an asynchronous server applies each gradient "
+                             f"in the order the pushes arrive, which differs run to run, so no step exists at which "
+                             f"every rank could save and a resume could not replay the run; checkpoint a "
+                             f"synchronous server (leave --ps-async out) or leave --ckpt-dir out")
+        self._validate_ps_resume()
         if self.ps_async and (self.device == "cuda" or self.backend == "nccl"):
             raise ValueError(f"ps_async with device={self.device!r}, backend={self.backend!r}: an asynchronous server "
                              f"takes whichever push comes first (an any-source receive), which gloo has and NCCL "
@@ -269,6 +276,33 @@ class RunConfig:
             raise ValueError("ps_async with emulated links (--nodes / --intra-link / --inter-link): an asynchronous "
                              "server takes whichever push comes first, and an emulated link must know a message's "
                              "sender before it arrives; use a synchronous server, or --straggler alone")
+
+    def _validate_ps_resume(self) -> None:
+        """A parameter server's checkpoint holds a server's shard or a worker's data position in each rank's file:
+        only the same servers and workers read it back, and a trainer's checkpoint has no server in it (nor the
+        other way round). Without a server only the newest manifest is read (no hashing: the trainer's own checks
+        follow); with one, the checkpoint the resume will load."""
+        if not self.resume or self.ckpt_dir is None:
+            return
+        from workbench.checkpoint.store import CheckpointError, list_steps, read_manifest, step_dir
+
+        if self.ps_servers is None:
+            try:
+                newest = read_manifest(step_dir(self.ckpt_dir, list_steps(self.ckpt_dir)[-1]))
+            except (IndexError, CheckpointError):
+                return  # nothing complete to read: _validate_checkpointing says why
+            saved = (newest.get("meta") or {}).get("run_config") or {}
+        else:
+            saved = (read_manifest(find_resume_point(self)).get("meta") or {}).get("run_config") or {}
+        pair = (saved.get("nproc"), saved.get("ps_servers"))
+        if saved.get("ps_servers") != self.ps_servers or (self.ps_servers is not None and pair[0] != self.nproc):
+            def ps(n: Any, s: Any) -> str:
+                return f"--nproc {n} " + (f"--ps-servers {s}" if s else "without a parameter server")
+
+            raise ValueError(f"resume from {self.ckpt_dir!r} with {ps(self.nproc, self.ps_servers)}: its checkpoint "
+                             f"was saved with {ps(*pair)}; a parameter server's checkpoint resumes on the same "
+                             f"servers and workers only (each rank's file holds its own role's state), and a "
+                             f"trainer's has no server in it; rerun with the saved values or start a fresh --ckpt-dir")
 
     def _validate_context_parallel(self) -> None:
         check_cp(self.gpt_config().seq_len, self.cp, self.cp_layout)

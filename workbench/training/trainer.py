@@ -70,6 +70,10 @@ def consolidate_checkpoint(path: str | Path) -> Path:
     from workbench.dist.launch import launch
 
     saved = read_manifest(path)["meta"]["run_config"]
+    if saved.get("ps_servers"):  # a parameter server's files hold whole tensors: no ranks to launch
+        from workbench.training.param_server_run import consolidate_ps_checkpoint
+
+        return consolidate_ps_checkpoint(path)
     keep = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
     source = RunConfig(**{**keep, "device": "cpu", "backend": None, "port": 0, "ckpt_dir": None,
                           "ckpt_every": None, "keep": None, "resume": False, "async_ckpt": False, "export": None,

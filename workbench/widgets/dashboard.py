@@ -22,8 +22,12 @@ every step of every rank: rank 0's loss, grad-norm, lr and tokens/s; every rank'
 dotted, its compute time (synchronous steps all last as long as the slowest rank's: the straggler is the rank whose
 compute fills its step, the gap above the others' dotted lines is their waiting); every rank's ledger peaks by memory
 category (stacked bars); the bytes each rank's collectives moved, per collective type, summed over the steps so far.
-A fast run reports many steps a second, so the figure is redrawn at most every ``min_interval_s`` (0.25 s: a few
-redraws a second), in one ``batch_update`` message each.
+Where the run has them, more rows: a compressed run (``compression``) rank 0's compression ratio and the bytes its
+gradients took each step (``compression_ratio``, ``grad_bytes_sent``); a parameter server (``ps_servers``, the
+server ranks) the staleness of every gradient the servers applied (a histogram, one count per gradient and server)
+and each server's load, the bytes through its link each way with its updates, from what every server streams
+after each update (``training.param_server_run``). A fast run reports many steps a second, so the figure is
+redrawn at most every ``min_interval_s`` (0.25 s: a few redraws a second), in one ``batch_update`` message each.
 
 Stop writes a file that rank 0 checks after each step (``train.StopSignal``); all ranks then leave the loop at the
 same step, the launcher reaps them, and ``run_training`` writes what was trained (summary, report, a checkpoint if
@@ -38,7 +42,7 @@ import html
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ipywidgets as widgets
@@ -92,11 +96,13 @@ class Dashboard(widgets.VBox):
     """
 
     def __init__(self, nproc: int, steps: int, live: bool = True, min_interval_s: float = 0.25,
-                 on_stop: Callable[[], None] | None = None, experts: int = 0) -> None:
+                 on_stop: Callable[[], None] | None = None, experts: int = 0, compression: bool = False,
+                 ps_servers: Sequence[int] = ()) -> None:
         positive_int("nproc", nproc)
         positive_int("steps", steps)
         if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
             raise ValueError(f"experts must be an int >= 0 (0: a dense model, no expert panels), got {experts!r}")
+        servers = _check_servers(ps_servers, nproc)
         if isinstance(min_interval_s, bool) or not isinstance(min_interval_s, (int, float)) or min_interval_s < 0:
             raise ValueError(f"min_interval_s must be a number of seconds >= 0 (0: redraw every step), "
                              f"got {min_interval_s!r}")
@@ -111,11 +117,18 @@ class Dashboard(widgets.VBox):
         # a MoE run: per step, per rank, the assignments each expert was chosen for and the dropped ones
         self.expert_load: dict[int, dict[int, list[int]]] = {}
         self.dropped: dict[int, dict[int, int]] = {}
+        self.compression = bool(compression)
+        self.grad_bytes: dict[int, tuple[float, int]] = {}  # step -> rank 0's (compression ratio, bytes sent)
+        self.servers = servers  # the server ranks, server index order
+        # a parameter server: each update's staleness list, by (server, update number): a redone update replaces
+        self.staleness: dict[tuple[int, int], list[int]] = {}
+        self.server_load: dict[int, dict[str, int]] = {}  # server index -> its latest totals (bytes in/out, updates)
         self.last_step, self.attempt, self.stop_requested = -1, 0, False
         self.outcome: str | None = None  # set by finish(): what the status line ends with
         self._started, self._ended = time.monotonic(), None
         self._last_draw, self._dirty = -float("inf"), False
-        self.figure = _panels(nproc, widget=live and _anywidget_available(), experts=experts)
+        self.figure = _panels(nproc, widget=live and _anywidget_available(), experts=experts,
+                              compression=self.compression, servers=servers)
         drawn = isinstance(self.figure, widgets.DOMWidget)
         self._output = widgets.Output() if live and not drawn else None  # the redrawn figure, without anywidget
         self.status = widgets.HTML(self._status_text())
@@ -142,6 +155,9 @@ class Dashboard(widgets.VBox):
                 self.flush()
 
     def _record(self, rank: int, m: dict[str, Any]) -> None:
+        if m.get("ps_server") is not None:  # a server's update: no step of its own to draw
+            self._record_server(m)
+            return
         step = int(m["step"])
         self.step_time[rank][step] = float(m.get("step_time_s", float("nan")))
         if m.get("compute_s") is not None:
@@ -152,6 +168,8 @@ class Dashboard(widgets.VBox):
         if self.experts and m.get("moe_tokens_per_expert") is not None:
             self.expert_load.setdefault(step, {})[rank] = [int(n) for n in m["moe_tokens_per_expert"]]
             self.dropped.setdefault(step, {})[rank] = int(m.get("moe_dropped", 0))
+        if rank == 0 and m.get("compression_ratio") is not None:
+            self.grad_bytes[step] = (float(m["compression_ratio"]), int(m.get("grad_bytes_sent", 0)))
         if rank == 0:
             # a restart resumes from its checkpoint and redoes steps: keyed by step, the redone value replaces
             for key in SCALARS:
@@ -159,6 +177,24 @@ class Dashboard(widgets.VBox):
                     self.scalars[key][step] = float(m[key])
             self.last_step, self.attempt = step, max(self.attempt, int(m.get("attempt", 0)))
         self._dirty = True
+
+    def _record_server(self, m: dict[str, Any]) -> None:
+        server = int(m["ps_server"])
+        if self.servers and not 0 <= server < len(self.servers):
+            raise ValueError(f"ps_server must be a server index in 0..{len(self.servers) - 1} (this dashboard has "
+                             f"{len(self.servers)} server(s)), got {server!r}")
+        if m.get("ps_staleness"):  # every update applies a gradient; none: the server's final totals alone
+            self.staleness[(server, int(m.get("ps_updates", 0)))] = [int(s) for s in m["ps_staleness"]]
+        self.server_load[server] = {key: int(m.get(key, 0)) for key in ("ps_bytes_in", "ps_bytes_out", "ps_updates")}
+        self._dirty = True
+
+    def staleness_histogram(self) -> dict[int, int]:
+        """{staleness: gradients applied at it}, over every server (summary.json's ``staleness_histogram``)."""
+        out: dict[int, int] = {}
+        for values in self.staleness.values():
+            for v in values:
+                out[v] = out.get(v, 0) + 1
+        return dict(sorted(out.items()))
 
     # -- drawing --------------------------------------------------------------------------------------------
 
@@ -196,8 +232,27 @@ class Dashboard(widgets.VBox):
         for rank in range(self.nproc):
             fig.data[base + rank].x = ops
             fig.data[base + rank].y = [to_unit(self.comm_bytes[rank].get(op, 0), UNIT) for op in ops]
+        base += self.nproc
         if self.experts:
-            self._fill_experts(fig, base + self.nproc)
+            self._fill_experts(fig, base)
+            base += 2
+        if self.compression:
+            steps = sorted(self.grad_bytes)
+            fig.data[base].x = fig.data[base + 1].x = steps
+            fig.data[base].y = [self.grad_bytes[s][0] for s in steps]
+            fig.data[base + 1].y = [to_unit(self.grad_bytes[s][1], UNIT) for s in steps]
+            base += 2
+        if self.servers:
+            self._fill_servers(fig, base)
+
+    def _fill_servers(self, fig: go.Figure, base: int) -> None:
+        """The staleness histogram, and each server's bytes in and out (stacked) with its updates on hover."""
+        histogram = self.staleness_histogram()
+        fig.data[base].x, fig.data[base].y = list(histogram), list(histogram.values())
+        load = [self.server_load.get(i, {}) for i in range(len(self.servers))]
+        fig.data[base + 1].y = [to_unit(entry.get("ps_bytes_in", 0), UNIT) for entry in load]
+        fig.data[base + 2].y = [to_unit(entry.get("ps_bytes_out", 0), UNIT) for entry in load]
+        fig.data[base + 1].customdata = fig.data[base + 2].customdata = [entry.get("ps_updates", 0) for entry in load]
 
     def _fill_experts(self, fig: go.Figure, base: int) -> None:
         """The newest step every reporting rank has sent: its load per expert summed over the ranks, as a multiple of
@@ -267,17 +322,26 @@ class Dashboard(widgets.VBox):
             self.flush()
 
 
-def _panels(nproc: int, widget: bool, experts: int = 0) -> go.Figure:
+def _panels(nproc: int, widget: bool, experts: int = 0, compression: bool = False,
+            servers: Sequence[int] = ()) -> go.Figure:
     """The empty dashboard: every trace exists from the start (traces cannot be added in a batch update); updates
-    only replace their x and y. A MoE run (``experts``) gets a fifth row: expert load and dropped assignments."""
-    moe_titles = ["expert load, newest step (assignments / mean; 1 = even)", "dropped assignments per step (%)"]
-    fig = make_subplots(rows=5 if experts else 4, cols=2, vertical_spacing=0.07 if experts else 0.09,
+    only replace their x and y. A MoE run (``experts``) gets a row more: expert load and dropped assignments; a
+    compressed run one: compression ratio and gradient bytes per step; a parameter server one: the staleness
+    histogram and the servers' load."""
+    extra = [(experts > 0, ["expert load, newest step (assignments / mean; 1 = even)",
+                            "dropped assignments per step (%)"]),
+             (compression, ["compression ratio per step (rank 0; uncompressed / sent)",
+                            f"gradient bytes sent per step ({UNIT}, rank 0)"]),
+             (bool(servers), ["staleness of each applied gradient (updates behind; count)",
+                              f"server load: bytes through each server's link ({UNIT})"])]
+    titles = [t for wanted, pair in extra if wanted for t in pair]
+    rows = 4 + len(titles) // 2
+    fig = make_subplots(rows=rows, cols=2, vertical_spacing={4: 0.09, 5: 0.07}.get(rows, 0.055),
                         horizontal_spacing=0.1,
-                        specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None], [{}, {}]] + ([[{}, {}]] if experts else []),
+                        specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None], [{}, {}]] + [[{}, {}]] * (rows - 4),
                         subplot_titles=[*SCALARS.values(),
                                         "step time per rank (s); dotted: computing, the gap above it waiting",
-                                        f"memory peak ({UNIT})", f"bytes per collective ({UNIT})",
-                                        *(moe_titles if experts else [])])
+                                        f"memory peak ({UNIT})", f"bytes per collective ({UNIT})", *titles])
     for i, (key, title) in enumerate(SCALARS.items()):
         fig.add_scatter(x=[], y=[], mode="lines", name=title, showlegend=False, line_color="#444",
                         hovertemplate=f"step %{{x}}<br>{key} %{{y:.4g}}<extra></extra>", row=1 + i // 2, col=1 + i % 2)
@@ -296,9 +360,16 @@ def _panels(nproc: int, widget: bool, experts: int = 0) -> go.Figure:
         fig.add_bar(x=[], y=[], name=f"rank {rank}", legendgroup=f"rank {rank}", showlegend=False,
                     marker_color=_rank_color(rank), row=4, col=2,
                     hovertemplate=f"%{{x}}<br>rank {rank}: %{{y:.3g}} {UNIT}<extra></extra>")
+    row = 5
     if experts:
         _expert_panels(fig, experts)
-    fig.update_layout(barmode="stack", height=1120 if experts else 900, margin={"t": 40, "b": 30},
+        row += 1
+    if compression:
+        _compression_panels(fig, row)
+        row += 1
+    if servers:
+        _server_panels(fig, row, servers)
+    fig.update_layout(barmode="stack", height=900 + 220 * (rows - 4), margin={"t": 40, "b": 30},
                       legend_tracegroupgap=4)
     fig.update_xaxes(title_text="step", row=3, col=1)
     return go.FigureWidget(fig) if widget else fig
@@ -311,6 +382,37 @@ def _expert_panels(fig: go.Figure, experts: int) -> None:
     fig.add_scatter(x=[], y=[], mode="lines+markers", name="dropped", showlegend=False, line_color="#d62728",
                     row=5, col=2, hovertemplate="step %{x}<br>dropped %{y:.2f} %<extra></extra>")
     fig.update_xaxes(title_text="step", row=5, col=2)
+
+
+def _compression_panels(fig: go.Figure, row: int) -> None:
+    fig.add_scatter(x=[], y=[], mode="lines+markers", marker_size=3, name="compression ratio", showlegend=False,
+                    line_color="#2ca02c", row=row, col=1, hovertemplate="step %{x}<br>ratio %{y:.3g}x<extra></extra>")
+    fig.add_scatter(x=[], y=[], mode="lines+markers", marker_size=3, name="gradient bytes sent", showlegend=False,
+                    line_color="#444", row=row, col=2,
+                    hovertemplate=f"step %{{x}}<br>%{{y:.3g}} {UNIT} sent<extra></extra>")
+    fig.update_xaxes(title_text="step", row=row, col=1)
+    fig.update_xaxes(title_text="step", row=row, col=2)
+
+
+def _server_panels(fig: go.Figure, row: int, servers: Sequence[int]) -> None:
+    fig.add_bar(x=[], y=[], name="staleness", showlegend=False, marker_color="#9467bd", row=row, col=1,
+                hovertemplate="staleness %{x}: %{y} gradient(s)<extra></extra>")
+    fig.update_xaxes(title_text="staleness (updates between pull and apply)", dtick=1, row=row, col=1)
+    names = [f"server {i} (rank {r})" for i, r in enumerate(servers)]
+    for direction, color in (("in", "#1f77b4"), ("out", "#ff7f0e")):
+        what = "gradients pushed in" if direction == "in" else "parameters pulled out"
+        fig.add_bar(x=names, y=[0.0] * len(names), name=f"server {direction}", showlegend=False,
+                    marker_color=color, row=row, col=2, customdata=[0] * len(names),
+                    hovertemplate=f"%{{x}}<br>{what}: %{{y:.3g}} {UNIT}<br>%{{customdata}} update(s)<extra></extra>")
+
+
+def _check_servers(servers: Sequence[int], nproc: int) -> list[int]:
+    """The server ranks, each in 0..nproc-1, fewer than nproc (a parameter server needs a worker)."""
+    out = list(servers)
+    if len(out) >= nproc or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < nproc for r in out):
+        raise ValueError(f"ps_servers must be the server ranks, each an int in 0..{nproc - 1} and fewer than "
+                         f"nproc={nproc} (a parameter server needs a worker), got {servers!r}")
+    return out
 
 
 def _rank_color(rank: int) -> str:
