@@ -240,6 +240,8 @@ def _shrink(cfg: RunConfig, lost_rank: int, budget: int, worlds: list[dict[str, 
                    "time": time.time()})
     record_event(cfg.ckpt_dir, "world_size", world_size=smaller.nproc, step=step, grad_accum=smaller.grad_accum,
                  reason=f"rank {lost_rank} lost for good")
+    record_event(cfg.ckpt_dir, "attempt", cause="shrink", world=len(worlds), world_size=smaller.nproc,
+                 layout={**_mesh(smaller), "zero": smaller.zero, "grad_accum": smaller.grad_accum})
     say(f"rank {lost_rank} is lost for good: going on with {smaller.nproc} rank(s) from "
         + (f"the checkpoint of step {step}" if step is not None else "step 0 (no checkpoint yet)")
         + f", the same global batch of {cfg.batch_size} (gradient accumulation {cfg.grad_accum} -> "
