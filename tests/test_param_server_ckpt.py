@@ -23,7 +23,7 @@ from workbench.cli import run_training
 from workbench.launch import launch
 from workbench.train import RunConfig, train_rank
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.extended]  # ranks resumed three ways: the extended lane
 
 PS = dict(nproc=3, ps_servers=1, batch_size=8, seq_len=32, ckpt_every=2)  # 2 workers (ranks 0, 1), server rank 2
 

@@ -143,6 +143,7 @@ def resumed_twice(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "ckpt": ckpt, "out": root / "out12"}
 
 
+@pytest.mark.extended  # three launches (~15 s); notebook 16 and the GPU lane read a resumed run's record too
 @pytest.mark.timeout(300)
 def test_a_run_resumed_twice_is_one_run_from_step_0(resumed_twice: dict[str, Path]) -> None:
     summary = json.loads((resumed_twice["out"] / "summary.json").read_text())
@@ -159,6 +160,7 @@ def test_a_run_resumed_twice_is_one_run_from_step_0(resumed_twice: dict[str, Pat
     assert (resumed_twice["ckpt"] / RECORD_NAME).read_text() == (resumed_twice["out"] / RECORD_NAME).read_text()
 
 
+@pytest.mark.extended  # three launches (~15 s); notebook 16 and the GPU lane read a resumed run's record too
 @pytest.mark.timeout(300)
 def test_the_report_and_workbench_report_show_one_curve_marked_per_attempt(resumed_twice: dict[str, Path],
                                                                            tmp_path: Path) -> None:
