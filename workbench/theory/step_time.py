@@ -50,8 +50,9 @@ from workbench.theory.parallelism import (
     stage_params,
 )
 from workbench.theory.pipeline import bubble_fraction
+from workbench.theory.topology import GPU_PEAK_FLOPS
 
-H100_BF16_PEAK = 989e12  # FLOP/s, dense (topology.GPU_PEAK_FLOPS["h100-bf16"])
+H100_BF16_PEAK = GPU_PEAK_FLOPS["h100-bf16"]  # FLOP/s, dense: the one table of GPU peaks
 DEFAULT_MFU = 0.4  # an assumption: large dense runs report 35-45 % of peak
 
 
