@@ -11,9 +11,9 @@ world size. Three things make that safe here, and this module only has to put th
    2017, "Accurate, Large Minibatch SGD"), so the missing ranks' share is made up by gradient accumulation: each
    survivor runs more micro-batches of at most the size a rank ran before (its memory budget).
 
-``--min-nproc M`` turns it on (``RunConfig`` checks it, with ``theory.elastic``'s arithmetic): the run keeps going while
-at least M ranks are left. A later ``--resume`` with more
-ranks grows the world back the same way (the resharding resume). ``run.run_training`` drives the loop.
+``--min-nproc M`` turns it on (``RunConfig`` checks it, with ``theory.elastic``'s arithmetic): the run keeps going
+while at least M ranks are left; ``run._launch_elastic`` drives the loop and this module resizes the config. A later
+``--resume`` with more ranks grows the world back the same way (the resharding resume).
 """
 
 from __future__ import annotations
