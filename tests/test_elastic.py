@@ -18,9 +18,10 @@ import pytest
 
 from workbench.cli import main, run_training
 from workbench.data import ShardedSampler, make_lm_data
+from workbench.dist.faults import after_shrink, lost_for_good, parse_faults
 from workbench.theory.elastic import elastic_accumulation, fitting_batch_size
 from workbench.training.config import RunConfig
-from workbench.training.elastic import resized
+from workbench.training.elastic import lost_ranks, resized
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,6 +55,17 @@ def test_resized_config_keeps_the_batch_and_drops_the_fault(tmp_path: Path) -> N
     assert smaller.inject_fault is None and smaller.min_nproc == 2
 
 
+def test_several_lose_specs_each_shrink_the_world_they_strike() -> None:
+    faults = parse_faults("lose:rank=1,2:step=4;lose:rank=3:step=2", nproc=4, steps=6)
+    assert [(f.ranks, f.step) for f in faults] == [((3,), 2), ((1, 2), 4)]  # in step order
+    assert lost_for_good(faults) == 3
+    assert after_shrink(faults, 2) == "lose:rank=1,2:step=4" and after_shrink(faults, 4) is None
+    cfg = RunConfig(**BASE, nproc=4, ckpt_dir="ck", min_nproc=1, inject_fault="lose:rank=3:step=2;lose:rank=1,2:step=4")
+    assert lost_ranks(cfg, 3) == (3,)
+    smaller = resized(cfg, 3, budget=3, resume=False, faults_left=after_shrink(faults, 2))
+    assert smaller.inject_fault == "lose:rank=1,2:step=4" and lost_ranks(smaller, 2) == (1, 2)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(nproc=4, min_nproc=5), "min_nproc=5 must be an int in 1..nproc=4"),
     (dict(nproc=4, min_nproc=0), "min_nproc=0 must be an int in 1..nproc=4"),
@@ -63,6 +75,10 @@ def test_resized_config_keeps_the_batch_and_drops_the_fault(tmp_path: Path) -> N
     (dict(nproc=4, inject_fault="lose:rank=3:step=2"), "needs --min-nproc M"),
     (dict(nproc=4, min_nproc=2, inject_fault="lose:rank=4:step=2"), "names rank 4 but the run has ranks 0..3"),
     (dict(nproc=4, min_nproc=2, inject_fault="lose:rank=1"), "is malformed"),
+    (dict(nproc=4, min_nproc=1, inject_fault="lose:rank=3:step=2;lose:rank=3:step=4"),
+     "names rank 3 but the run has ranks 0..2 by step 4 (the world left after the earlier lose specs"),
+    (dict(nproc=4, min_nproc=1, inject_fault="lose:rank=3:step=2;lose:rank=2:step=2"), "name them in one spec"),
+    (dict(nproc=4, min_nproc=2, inject_fault="lose:rank=2,2:step=2"), "names a rank twice"),
 ])
 def test_bad_elastic_input_is_refused_before_any_rank_starts(kwargs: dict, message: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError) as err:
@@ -129,6 +145,21 @@ def test_a_lost_rank_shrinks_the_world_and_the_run_goes_on(unbroken: dict, tmp_p
     assert change["resumed_from_step"] == 1 and change["last_step_done"] == 2  # saved after step 1, lost before 3
     assert summary["config"]["nproc"] == 3 and summary["config"]["grad_accum"] == 2
     assert [m["step"] for m in summary["history"]] == list(range(6))  # one curve from step 0
+    assert summary["losses"] == pytest.approx(unbroken["losses"], rel=LOSS_RTOL)
+    _assert_each_step_trained_its_global_batch_once(seen, RunConfig(**{**BASE, "ckpt_every": None}, nproc=4), 6)
+
+
+@pytest.mark.extended  # ~35 s: three worlds, two reshards
+def test_a_run_loses_one_rank_then_a_node_of_two_and_goes_on_alone(unbroken: dict, tmp_path: Path) -> None:
+    """``lose:rank=3:step=2;lose:rank=1,2:step=4``: 4 ranks -> 3 (from step 1's checkpoint) -> 1 (from step 3's),
+    one invocation, the same global batch throughout (micro-batches of at most the first world's 3 windows)."""
+    summary, seen = _run(tmp_path, "ck", nproc=4, min_nproc=1, inject_fault="lose:rank=3:step=2;lose:rank=1,2:step=4")
+    first, second = summary["elastic"]
+    assert (first["lost_ranks"], first["nproc"], first["grad_accum"], first["resumed_from_step"]) == \
+        ([3], [4, 3], [1, 2], 1)
+    assert (second["lost_ranks"], second["nproc"], second["grad_accum"], second["resumed_from_step"]) == \
+        ([1, 2], [3, 1], [2, 4], 3)
+    assert summary["config"]["nproc"] == 1 and summary["config"]["inject_fault"] is None
     assert summary["losses"] == pytest.approx(unbroken["losses"], rel=LOSS_RTOL)
     _assert_each_step_trained_its_global_batch_once(seen, RunConfig(**{**BASE, "ckpt_every": None}, nproc=4), 6)
 

@@ -103,6 +103,20 @@ def test_a_restart_with_no_checkpoint_yet_starts_over(unbroken: dict, tmp_path: 
     assert [r["last_step_done"] for r in summary["restarts"]] == [None]
 
 
+def test_a_stall_is_spent_in_its_rank_data_wait_and_changes_no_number(unbroken: dict) -> None:
+    """``stall:rank=1:step=2:seconds=1``: rank 1 waits a second for its batch; rank 0 has its batch at once and waits
+    the same second in the step's first collective, so the step takes a second on both ranks and only rank 1's
+    data_wait_s says why. The numbers are the unbroken run's, bit for bit (a stall changes time, not data)."""
+    seen: dict[tuple[int, int], dict] = {}
+    summary = run_training(RunConfig(**SMALL, inject_fault="stall:rank=1:step=2:seconds=1"), progress=False,
+                           on_metrics=lambda rank, m: seen.setdefault((rank, m["step"]), m))
+    assert summary["final_params_sha256"] == unbroken["final_params_sha256"]
+    assert seen[1, 2]["data_wait_s"] >= 1.0 and seen[0, 2]["data_wait_s"] < 0.5
+    assert seen[0, 2]["step_time_s"] >= 0.9  # waited for rank 1 in a collective, not in its own data
+    assert all(seen[1, s]["data_wait_s"] < 0.5 for s in (1, 3))  # once, at its step
+    assert str(parse_fault("stall:rank=1:step=2")) == "stall:rank=1:step=2:seconds=2"  # DEFAULT_STALL_S
+
+
 def _fails_once_on_rank_1() -> int:
     if comm.group_rank() == 1 and restart_count() == 0:
         raise RuntimeError("first attempt fails")
@@ -124,6 +138,10 @@ def test_launch_restarts_every_rank_and_says_which_attempt() -> None:
     (dict(inject_fault="kill:rank=2:step=1"), "names rank 2 but the run has ranks 0..1"),
     (dict(inject_fault="kill:rank=0:step=6"), "names step 6 but the run has steps 0..5"),
     (dict(max_restarts=-1), "max_restarts must be an int >= 0"),
+    (dict(inject_fault="kill:rank=1:step=2:seconds=3"), "only a stall lasts a number of seconds"),
+    (dict(inject_fault="stall:rank=1:step=2:seconds=0"), "a stall must last seconds > 0"),
+    (dict(inject_fault="stall:rank=1:step=2:seconds=9", timeout=5.0), "at least --timeout=5 s.*which is a hang"),
+    (dict(inject_fault="stall:rank=1:step=2;kill:rank=2:step=3"), "names rank 2 but the run has ranks 0..1"),
 ])
 def test_bad_fault_flags_are_rejected_before_spawning(flags: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

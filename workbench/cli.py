@@ -153,10 +153,11 @@ def _run_parser(sub: Any) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="after a rank fails, restart all ranks up to K times, resuming from the newest checkpoint")
     p.add_argument("--inject-fault", default=None, metavar="KIND:rank=R:step=S",
-                   help="plant one failure in the first attempt: kill (SIGKILL), raise, hang (caught by --timeout), "
-                        "nan (weights turn NaN: caught by --on-spike), or bitflip (one bit of rank R's first "
-                        "parameter flips after step S: caught by --sdc-check-every), or lose (rank R's node is "
-                        "gone for good: needs --min-nproc)")
+                   help="plant a failure in the first attempt: kill (SIGKILL), raise, hang (caught by --timeout), "
+                        "nan (weights turn NaN: caught by --on-spike), bitflip (one bit of rank R's first "
+                        "parameter flips after step S: caught by --sdc-check-every), lose (rank R's node is "
+                        "gone for good: needs --min-nproc) or stall (rank R's data stalls; :seconds=T, default 2). "
+                        "rank=R1,R2 strikes several ranks at once (a node); join specs with ';' for several faults")
     p.add_argument("--min-nproc", type=int, default=None, metavar="M",
                    help="elastic: when a rank is lost for good, go on with the survivors (down to M ranks) from the "
                         "newest checkpoint, with the same global batch (gradient accumulation makes up the lost "

@@ -204,7 +204,7 @@ def _launch_elastic(cfg: RunConfig, launch_world: Callable[[RunConfig], Any],
     last world's results and config."""
     from workbench.dist.faults import LOST_RANK_EXIT_CODE
     from workbench.dist.launch import RankError
-    from workbench.training.elastic import micro_batch
+    from workbench.training.elastic import lost_ranks, micro_batch
 
     budget = micro_batch(cfg)  # the first world's micro-batch: the memory a rank has, kept through every change
     while True:
@@ -213,36 +213,42 @@ def _launch_elastic(cfg: RunConfig, launch_world: Callable[[RunConfig], Any],
         except RankError as error:
             if cfg.min_nproc is None or error.exit_code != LOST_RANK_EXIT_CODE:
                 raise
-            if cfg.nproc - 1 < cfg.min_nproc:
-                raise RankError(error.rank, f"{error.message}\nonly {cfg.nproc - 1} rank(s) are left, fewer than "
-                                f"min_nproc={cfg.min_nproc}: the run stops (its checkpoints in {cfg.ckpt_dir} "
+            lost = lost_ranks(cfg, error.rank)
+            if cfg.nproc - len(lost) < cfg.min_nproc:
+                raise RankError(error.rank, f"{error.message}\nonly {cfg.nproc - len(lost)} rank(s) are left, fewer "
+                                f"than min_nproc={cfg.min_nproc}: the run stops (its checkpoints in {cfg.ckpt_dir} "
                                 f"resume with --resume on more ranks)", error.remote_traceback,
                                 error.exit_code) from error
-            cfg = _shrink(cfg, error.rank, budget, worlds)
+            cfg = _shrink(cfg, lost, budget, worlds)
 
 
-def _shrink(cfg: RunConfig, lost_rank: int, budget: int, worlds: list[dict[str, Any]]) -> RunConfig:
-    """The next world after ``lost_rank`` is gone: ``cfg`` on the survivors, resuming from the newest checkpoint
-    (resharded here, before they start) or from step 0 when none was written yet."""
+def _shrink(cfg: RunConfig, lost: tuple[int, ...], budget: int, worlds: list[dict[str, Any]]) -> RunConfig:
+    """The next world after the ``lost`` ranks are gone: ``cfg`` on the survivors, resuming from the newest
+    checkpoint (resharded here, before they start) or from step 0 when none was written yet."""
     from workbench.checkpoint.resume import find_resume_point
     from workbench.checkpoint.store import list_steps, read_manifest
+    from workbench.dist.faults import after_shrink, parse_faults
     from workbench.record import record_event
     from workbench.training.elastic import resized
     from workbench.training.trainer import prepare_resharded_resume
 
-    smaller = resized(cfg, cfg.nproc - 1, budget, resume=bool(list_steps(cfg.ckpt_dir)))
+    faults = parse_faults(cfg.inject_fault)
+    struck = next((f.step for f in faults if f.kind == "lose" and set(lost) <= set(f.ranks)), -1)
+    smaller = resized(cfg, cfg.nproc - len(lost), budget, resume=bool(list_steps(cfg.ckpt_dir)),
+                      faults_left=after_shrink(faults, struck))
     step = None
     if smaller.resume:
         step = read_manifest(find_resume_point(smaller))["step"]
         prepare_resharded_resume(smaller)
-    worlds.append({"lost_rank": lost_rank, "nproc": [cfg.nproc, smaller.nproc],
+    who = f"rank {lost[0]}" if len(lost) == 1 else f"ranks {', '.join(map(str, lost))}"
+    worlds.append({"lost_rank": lost[0], "lost_ranks": list(lost), "nproc": [cfg.nproc, smaller.nproc],
                    "grad_accum": [cfg.grad_accum, smaller.grad_accum], "resumed_from_step": step,
                    "time": time.time()})
     record_event(cfg.ckpt_dir, "world_size", world_size=smaller.nproc, step=step, grad_accum=smaller.grad_accum,
-                 reason=f"rank {lost_rank} lost for good")
+                 reason=f"{who} lost for good")
     record_event(cfg.ckpt_dir, "attempt", cause="shrink", world=len(worlds), world_size=smaller.nproc,
                  layout={**_mesh(smaller), "zero": smaller.zero, "grad_accum": smaller.grad_accum})
-    say(f"rank {lost_rank} is lost for good: going on with {smaller.nproc} rank(s) from "
+    say(f"{who} {'is' if len(lost) == 1 else 'are'} lost for good: going on with {smaller.nproc} rank(s) from "
         + (f"the checkpoint of step {step}" if step is not None else "step 0 (no checkpoint yet)")
         + f", the same global batch of {cfg.batch_size} (gradient accumulation {cfg.grad_accum} -> "
         f"{smaller.grad_accum})")

@@ -64,8 +64,11 @@ from workbench.dist import comm
 MODES = ("sync", "async")
 PULL_TAG, PUSH_TAG, NORM_TAG = "ps_pull", "ps_push", "ps_norm"
 #: fp64 header fields (integers below 2^53 are exact): a pull's [version, last update's gradient norm, its loss,
-#: stop] and a push's [version pulled, clock, squared norm of the worker's whole gradient, its loss, done]
+#: stop] and a push's [version pulled, clock, squared norm of the worker's whole gradient, its loss, control]
 PULL_HEADER, PUSH_HEADER, HEADER_BYTES = 4, 5, 8
+#: A push's control field: a gradient follows; the worker is done (async: no gradient follows); a gradient follows
+#: and the worker asks the run to stop (a preemption or the dashboard's Stop: ``PSWorker.push(stop=True)``).
+PUSH_GRADIENT, PUSH_DONE, PUSH_STOP = 0, 1, 2
 
 
 def check_layout(nproc: int, servers: int) -> None:
@@ -188,6 +191,8 @@ class ParameterServer:
         self.optimizer = optimizer(self.params)
         self.version = 0
         self.last = (0.0, 0.0)  # the last update's (gradient norm, loss): the pull header tells the workers
+        self.stop_requested = False  # a worker asked the run to stop (PUSH_STOP)
+        self.stopping = False  # sync: the update just applied is the run's last (its end, or a stop request)
         self.stats = ServerStats(mode, len(self.workers))
         self._on_update: Callable[[ParameterServer], None] | None = None
 
@@ -232,9 +237,10 @@ class ParameterServer:
             worker = comm.recv_any(header, tag=PUSH_TAG)
         else:
             comm.recv(header, worker, tag=PUSH_TAG)
-        if header[4] > 0:
+        if header[4] == PUSH_DONE:
             self.stats.bytes_in += HEADER_BYTES * PUSH_HEADER
             return worker, header, None
+        self.stop_requested |= bool(header[4] == PUSH_STOP)
         grad = torch.empty_like(self.shard.flat)
         comm.recv(grad, worker, tag=PUSH_TAG)
         self.stats.by_worker[worker] = self.stats.by_worker.get(worker, 0) + 1
@@ -302,9 +308,13 @@ class ParameterServer:
             self._apply(total, staleness, norm, sum(losses) / len(losses))
             self.stats.gaps.append(0)
             sends = _settled(sends)  # every worker took its last pull before it pushed: these are done
+            # Every server hears every worker each step, so all of them see a stop request at the same version.
+            self.stopping = self.version == steps or self.stop_requested
             for w in self.workers:
-                sends += self._send_params(w, stop=self.version == steps)
+                sends += self._send_params(w, stop=self.stopping)
             self._updated()
+            if self.stopping:
+                break
         return sends
 
     def _updated(self) -> None:
@@ -337,7 +347,7 @@ class ParameterServer:
                     self._updated()
                     clock[w] += 1
                     held[w] = time.perf_counter()
-            stop = self.index == 0 and self.stats.updates >= budget
+            stop = self.index == 0 and (self.stats.updates >= budget or self.stop_requested)
             for w in self._release_ready(held, clock, active, stop):
                 sends += self._send_params(w, stop=stop)
                 if stop:
@@ -414,7 +424,7 @@ class PSWorker:
 
     def done(self) -> None:
         """Async, after the pull that said stop: tell the other servers this worker pushes no more."""
-        header = torch.tensor([0, self.clock, 0, 0, 1], dtype=torch.float64, device=self.device)
+        header = torch.tensor([0, self.clock, 0, 0, PUSH_DONE], dtype=torch.float64, device=self.device)
         for server in self.servers[1:]:
             comm.send(header, server, tag=PUSH_TAG)
             self.bytes_sent += HEADER_BYTES * PUSH_HEADER
@@ -424,14 +434,15 @@ class PSWorker:
                            for p in params]) if params else torch.zeros(0, device=self.device)
                 for params in self.shards]
 
-    def push(self, loss: float | torch.Tensor = 0.0) -> float:
-        """Sends this step's gradients; returns their global L2 norm (what async clips by)."""
+    def push(self, loss: float | torch.Tensor = 0.0, stop: bool = False) -> float:
+        """Sends this step's gradients; returns their global L2 norm (what async clips by). ``stop``: ask the run to
+        end after this update (the servers' next pull says stop; in sync every worker then stops at this step)."""
         flats = self._flat_grads()
         sq = float(sum(f.double().square().sum() for f in flats))
         works = []
         for i, (server, flat) in enumerate(zip(self.servers, flats, strict=True)):
-            header = torch.tensor([self.versions[i], self.clock, sq, float(loss), 0], dtype=torch.float64,
-                                  device=self.device)
+            header = torch.tensor([self.versions[i], self.clock, sq, float(loss), PUSH_STOP if stop else PUSH_GRADIENT],
+                                  dtype=torch.float64, device=self.device)
             works += [comm.isend(header, server, tag=PUSH_TAG), comm.isend(flat, server, tag=PUSH_TAG)]
             self.bytes_sent += HEADER_BYTES * PUSH_HEADER + flat.numel() * 4
         for work in works:

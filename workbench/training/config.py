@@ -17,7 +17,7 @@ from workbench.checkpoint.store import (
 )
 from workbench.data import corpus_tokens
 from workbench.dist.emulation import LinkEmulation, Straggler, check_time_scale, resolve_time_scale
-from workbench.dist.faults import parse_fault
+from workbench.dist.faults import parse_faults
 from workbench.models import PRESETS, GPTConfig
 from workbench.parallel import DDP_KINDS, ZERO_STAGES, ParallelConfig
 from workbench.parallel.recompute import check_mode as check_recompute_mode
@@ -313,13 +313,18 @@ class RunConfig:
     def _validate_faults(self) -> None:
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an int >= 0 (restarts after a failure), got {self.max_restarts!r}")
-        fault = None if self.inject_fault is None else parse_fault(self.inject_fault, self.nproc, self.steps)
+        faults = parse_faults(self.inject_fault, self.nproc, self.steps)
         if self.min_nproc is not None:
             self._validate_elastic()
-        elif fault is not None and fault.kind == "lose":
-            raise ValueError(f"inject_fault={self.inject_fault!r} removes rank {fault.rank} for good: it needs "
-                             f"--min-nproc M (an elastic run goes on with the survivors); kill:rank={fault.rank}:"
-                             f"step={fault.step} with --max-restarts shows a restart of the same world instead")
+        elif lost := [f for f in faults if f.kind == "lose"]:
+            raise ValueError(f"inject_fault={self.inject_fault!r} removes rank(s) {list(lost[0].ranks)} for good: it "
+                             f"needs --min-nproc M (an elastic run goes on with the survivors); "
+                             f"kill:rank={lost[0].rank}:step={lost[0].step} with --max-restarts shows a restart of "
+                             f"the same world instead")
+        for stall in (f for f in faults if f.kind == "stall" and f.seconds >= self.timeout):
+            raise ValueError(f"fault {stall} stalls rank(s) {list(stall.ranks)} for {stall.seconds:g} s, at least "
+                             f"--timeout={self.timeout:g} s: the peers would time out, which is a hang "
+                             f"(hang:rank={stall.rank}:step={stall.step}); stall for less than {self.timeout:g} s")
 
     def _validate_elastic(self) -> None:
         """``--min-nproc``'s rules (``training.elastic``), before any rank starts."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from workbench.dist.faults import parse_faults
 from workbench.theory.elastic import elastic_accumulation
 from workbench.training.config import RunConfig
 
@@ -29,12 +30,22 @@ def micro_batch(cfg: RunConfig) -> int:
     return cfg.batch_size // (cfg.dp * cfg.grad_accum)
 
 
-def resized(cfg: RunConfig, world: int, budget: int, resume: bool = True) -> RunConfig:
+def resized(cfg: RunConfig, world: int, budget: int, resume: bool = True,
+            faults_left: str | None = None) -> RunConfig:
     """``cfg`` on ``world`` data-parallel ranks with the same global batch (gradient accumulation makes up the
     difference, micro-batches of at most ``budget`` windows), resuming from the newest checkpoint. The injected
-    fault is dropped: it has happened (a fault fires once, as on a real cluster once the bad node is gone)."""
+    faults that struck are dropped: they happened (a fault fires once, as on a real cluster once the bad node is
+    gone); ``faults_left`` are those still to come (``dist.faults.after_shrink``)."""
     accum = elastic_accumulation(cfg.batch_size, budget, world)
     if accum is None:  # RunConfig refused this before the run started; a direct caller gets the same answer
         raise ValueError(f"no gradient accumulation keeps batch_size={cfg.batch_size} on {world} rank(s) with at most "
                          f"{budget} window(s) per micro-batch")
-    return dataclasses.replace(cfg, nproc=world, dp=world, grad_accum=accum, resume=resume, inject_fault=None)
+    return dataclasses.replace(cfg, nproc=world, dp=world, grad_accum=accum, resume=resume,
+                               inject_fault=faults_left)
+
+
+def lost_ranks(cfg: RunConfig, failed_rank: int) -> tuple[int, ...]:
+    """The ranks a ``lose`` took away: the earliest ``lose`` spec still in ``cfg`` (its ranks exit together, as a
+    node's do; the launcher reports whichever it saw die first), or ``failed_rank`` alone."""
+    lose = next((f for f in parse_faults(cfg.inject_fault) if f.kind == "lose"), None)
+    return lose.ranks if lose is not None and failed_rank in lose.ranks else (failed_rank,)

@@ -93,14 +93,15 @@ def train_ps_rank(cfg: RunConfig) -> dict[str, Any]:
         ps = _server(cfg, model, servers, workers, lambda step: lr_at(step, cfg), ckpt)
         result: dict[str, Any] = {"history": [], "ps_server": ps.stats.as_dict()}
     else:
-        result = {"history": _work(cfg, model, servers, workers, device, ckpt)}
+        history = _work(cfg, model, servers, workers, device, ckpt)
+        result = {"history": history, "stopped_after_step": _stopped_after(cfg, history)}
     backend = torch.distributed.get_backend() if comm.is_distributed() else "none"
     full = {n: p.detach() for n, p in model.named_parameters()}
-    return {**result, "n_params": n_params, "strategy": describe(cfg),
+    return {"n_params": n_params, "strategy": describe(cfg),
             "final_params_sha256": params_sha256(full) if comm.group_rank() == 0 else None,
             "placement": {"backend": backend, "device": str(device), "device_name": str(device)},
             "final_params": None, "checkpoint": ckpt.summary(), "stopped_after_step": None,
-            "attempt": restart_count(), "health": {"events": [], "data_skip": 0, "val_split": None}}
+            **result, "attempt": restart_count(), "health": {"events": [], "data_skip": 0, "val_split": None}}
 
 
 class PSCheckpoints:
@@ -118,6 +119,11 @@ class PSCheckpoints:
         """After every ``ckpt_every``-th step and after the last, as the trainer saves; ``done``: steps taken."""
         every = self.cfg.ckpt_every or self.cfg.steps
         return self.cfg.ckpt_dir is not None and (done % every == 0 or done == self.cfg.steps)
+
+    def keeps_stop(self, done: int) -> bool:
+        """Whether a run stopped early after ``done`` steps saves there too (what was trained is kept: a later
+        ``--resume`` goes on from it), as the trainer does after a stop."""
+        return self.cfg.ckpt_dir is not None and done < self.cfg.steps
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Every rank calls this at the same step (the store's barriers pair them up)."""
@@ -196,7 +202,7 @@ def _server(cfg: RunConfig, model: torch.nn.Module, servers: list[int], workers:
     def updated(ps: ParameterServer) -> None:
         report(_server_metrics(cfg, ps, streamed))
         done = ps.version
-        if not cfg.ps_async and ckpt.due(done):
+        if not cfg.ps_async and (ckpt.due(done) or ps.stopping and ckpt.keeps_stop(done)):
             ckpt.save(done - 1, {"server": ps.state_dict()})
 
     ps.serve(cfg.steps, on_update=updated)
@@ -252,7 +258,7 @@ def _work(cfg: RunConfig, model: torch.nn.Module, servers: list[int], workers: l
         with trace.span("backward", "backward"):
             loss.backward()
         with trace.span("push and pull", "wait"):  # the gradients out, the next parameters in
-            norm = worker.push(loss.detach())
+            norm = worker.push(loss.detach(), stop=stop_requested(cfg))
             worker.pull()
         elapsed = time.time() - t0
         metrics = {"step": step, "loss": worker.update_loss if not cfg.ps_async else float(loss.detach()),
@@ -265,13 +271,32 @@ def _work(cfg: RunConfig, model: torch.nn.Module, servers: list[int], workers: l
         history.append(metrics)
         report(_streamed(metrics))  # the dashboard's view of this worker's step
         step += 1
-        if not cfg.ps_async and ckpt.due(step):  # the servers save this step too, after the parameters went out
+        stopped_early = worker.stopped and not cfg.ps_async and step < cfg.steps
+        if not cfg.ps_async and (ckpt.due(step) or stopped_early and ckpt.keeps_stop(step)):  # the servers save
+            # this step too, after the parameters went out
             ckpt.save(step - 1, {"sampler": {**sampler.state_dict(), "step": step, "data_skip": 0}})
     if cfg.ps_async:
         worker.done()  # the other servers learn from this that no push follows
         if index == 0:
             worker.finish()  # the servers' final parameters (send_final)
     return history
+
+
+def _stopped_after(cfg: RunConfig, history: list[dict[str, Any]]) -> int | None:
+    """The last step of a worker the run stopped early (a preemption, the Stop button), else None. In sync every
+    worker trains steps 0..steps-1 unless stopped; in async the count varies by worker, so the stop file says it."""
+    if not history:
+        return None
+    early = stop_requested(cfg) if cfg.ps_async else history[-1]["step"] < cfg.steps - 1
+    return history[-1]["step"] if early else None
+
+
+def stop_requested(cfg: RunConfig) -> bool:
+    """Whether this worker was asked to stop: the stop file a preemption signal or the dashboard's Stop button
+    creates (``run.preemptible``, ``run.LiveRun``). No collective, unlike the trainer's ``StopSignal``: servers are
+    busy serving, so the request rides in the next push (``PSWorker.push(stop=True)``) and every server sees it."""
+    stop_file = cfg.extra.get("stop_file")
+    return stop_file is not None and Path(stop_file).exists()
 
 
 def consolidate_ps_checkpoint(path: str | Path) -> Path:

@@ -30,7 +30,15 @@ from workbench.checkpoint.resume import FULL_STATE, find_resume_point, layout_ch
 from workbench.checkpoint.store import export_full_state_dict, list_steps, load, read_manifest, write_atomic
 from workbench.data import ShardedSampler, make_lm_data
 from workbench.dist import comm
-from workbench.dist.faults import bitflip_due, flip_bit, maybe_inject, parse_fault, restart_count
+from workbench.dist.faults import (
+    FaultSpec,
+    bitflip_due,
+    flip_bit,
+    maybe_inject,
+    parse_faults,
+    restart_count,
+    stall_seconds,
+)
 from workbench.dist.launch import report
 from workbench.dist.mesh import Mesh
 from workbench.dist.notices import notice
@@ -122,6 +130,7 @@ class Trainer:
             check_split(self.split, model_cfg.seq_len)
         train_windows = len(self.dataset) if self.split is None else self.split.train
         self.data_skip = 0  # batches skipped by spike rollbacks: step s trains on batch s + data_skip
+        self.data_stall_s = 0.0  # an injected stall (dist.faults) the next step's data span waits out
         self.sampler = ShardedSampler(train_windows, cfg.batch_size, self.mesh.dp_rank, self.mesh.dp_size,
                                       seed=cfg.seed)
         model = build_gpt(model_cfg, seed=cfg.seed, device=self.device)
@@ -152,6 +161,9 @@ class Trainer:
         for group in s.optimizer.param_groups:
             group["lr"] = lr
         with trace.span("data", "data"):  # the input pipeline's share of the step (a starved GPU waits here)
+            if self.data_stall_s:  # an injected stall (dist.faults): a slow filesystem, a stuck loader worker
+                time.sleep(self.data_stall_s)
+                self.data_stall_s = 0.0
             windows = self.sampler.indices(self.step_index + self.data_skip)
             x, y = self.dataset.get(windows, device=self.device)
         data_wait = time.time() - t0
@@ -324,23 +336,21 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
     trainer = Trainer(cfg)
     restarted = restart_count() > 0 and cfg.ckpt_dir is not None
     resumed, skipped = trainer.resume(after_restart=restarted) if cfg.resume or restarted else (None, [])
-    fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
+    faults = parse_faults(cfg.inject_fault)  # each fires once: the rolled-back run replays a step with other batches
     stop = StopSignal(cfg.extra.get("stop_file"), trainer.device)
     health = HealthMonitor(on_spike=cfg.on_spike, factor=cfg.spike_factor)
     history, written, stopped_after = [], [], None
     while trainer.step_index < cfg.steps:
-        if maybe_inject(fault, comm.group_rank(), trainer.step_index):
-            trainer.poison_parameters()
-            fault = None  # once: the rolled-back run replays this step index with other batches
+        faults = _strike_before_step(faults, trainer)
         metrics = trainer.step()
         if cfg.val_every and (trainer.step_index % cfg.val_every == 0 or trainer.step_index == cfg.steps):
             trainer.check_data_shards()
             metrics["val_loss"] = trainer.validation_loss()
         history.append(metrics)
         report(_streamed(metrics))
-        if bitflip_due(fault, comm.group_rank(), metrics["step"]):
+        if flips := [f for f in faults if bitflip_due(f, comm.group_rank(), metrics["step"])]:
             trainer.flip_bit()
-            fault = None  # once, as every fault
+            faults = [f for f in faults if f not in flips]
         action = _health_action(trainer, health, metrics, lambda: bool(written) or bool(list_steps(cfg.ckpt_dir)))
         if action == "stop":
             stopped_after = metrics["step"]
@@ -403,6 +413,20 @@ def _health_action(trainer: Trainer, health: HealthMonitor, metrics: dict[str, A
             notice(f"step {metrics['step']}: {problem}; action: {action}")
         actions.append(action)
     return max(actions, key=_SEVERITY.__getitem__, default=None)
+
+
+def _strike_before_step(faults: list[FaultSpec], trainer: Trainer) -> list[FaultSpec]:
+    """Fire the faults due on this rank before the trainer's next step; returns those still to fire."""
+    rank, step = comm.group_rank(), trainer.step_index
+    left = []
+    for fault in faults:
+        if fault.kind == "bitflip" or not fault.strikes(rank, step):  # a bitflip strikes after its step
+            left.append(fault)
+        elif maybe_inject(fault, rank, step):  # kill, lose, raise and hang never return
+            trainer.poison_parameters()
+        else:  # spent in the next step's data span: its data_wait_s shows it
+            trainer.data_stall_s = stall_seconds(fault, rank, step)
+    return left
 
 
 class StopSignal:
