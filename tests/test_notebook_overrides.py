@@ -32,7 +32,7 @@ OVERRIDES: dict[str, dict] = {
     "06": {"SEQ_LEN": 64, "STEPS": 3, "USE_SOLUTION": True},
     "07": {"TRAIN_STEPS": 2, "USE_SOLUTION": True},
     "08": {"STEPS": 3, "SWEEP_M": [2], "USE_SOLUTION": True},
-    "09": {"STEPS": 2},
+    "09": {"STEPS": 2, "USE_SOLUTION": True},
     "10": {"STEPS": 6, "FAULT_STEP": 3, "SAVE_REPEATS": 1, "USE_SOLUTION": True},
     "11": {"STEPS": 28, "SDC_EVERY": 3, "NAN_STEP": 2},
     "12": {"SIZES": [2 ** 14, 2 ** 22], "REPS": 2, "STEPS": 3, "SCALING_WORLDS": [1, 4]},
