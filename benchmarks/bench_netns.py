@@ -1,6 +1,6 @@
 """A real shaped link against the emulation (workbench.dist.netns): is the emulation a fantasy? (issue 20)
 
-One row, ``netns_vs_emulation``, on 4 ranks as 2 nodes x 2 ranks (node-major). Each node's ranks run in a network
+Row ``netns_vs_emulation``: 4 ranks as 2 nodes x 2 ranks (node-major). Each node's ranks run in a network
 namespace of their own; the namespaces are joined by a veth pair with a tbf token bucket on both ends (200 Mbit/s =
 25 MB/s each way). The link's α (a ping-pong's half round trip) and effective bandwidth (one 8 MiB message) are
 measured, and the emulation is given that link (``inter_link``). Then all-reduce over the 4 ranks and send/recv
@@ -12,6 +12,11 @@ from rank 0 (node 0) to rank 2 (node 1), at 256 KiB .. 64 MiB:
 * ``ratio``: the worst predicted / real over every op and size. Goal: each op within ``netns.agreement_bound``,
   10 % plus 8 ms of waiting for a core relative to its time (+-50 % for the 20 ms all-reduce at 256 KiB, +-10 % at
   64 MiB); ``config.all_within_bound`` says whether it held, ``per_op`` gives each op's figures and bound.
+
+A second row, ``netns_vs_emulation_3_nodes``, does the same on 3 nodes x 1 rank: each node's veth pair runs to a
+bridge in a switch namespace, with a token bucket on both ends (node egress, switch port = node ingress), so the
+message (rank 0 -> rank 2) and every hop of the all-reduce's ring cross two shaped links and the bridge. Goal: the
+same bound for the message; 10 % more for the all-reduce (``netns.STAR_ALL_REDUCE_SLACK`` says why).
 
 Times as bench_topology takes them: barrier, then the op on every rank; the last rank's start to the last rank's
 end, median over reps after one warm-up (more reps for small sizes). Needs root, iproute2 and tbf; without them the
@@ -33,20 +38,29 @@ QUICK_SIZES = {label: SIZES[label] for label in ("256KiB", "4MiB", "64MiB")}
 GOAL = "every op and size within netns.agreement_bound: |predicted/real - 1| <= 10 % + 8 ms / real time"
 
 
-def skipped_row(reason: str) -> dict[str, Any]:
-    return {"benchmark": "netns_vs_emulation", "status": "skipped", "reason": reason, "ours": None,
-            "reference": None, "ratio": None, "unit": None, "config": {"goal": GOAL}}
+STAR_GOAL = GOAL + "; all-reduce through the switch: 10 % more (netns.STAR_ALL_REDUCE_SLACK)"
+#: (row name, nodes, ranks per node, goal): the pair README's figures are from, and 3 nodes behind the switch
+LAYOUTS = (("netns_vs_emulation", 2, 2, GOAL), ("netns_vs_emulation_3_nodes", 3, 1, STAR_GOAL))
 
 
-def comparison_row(comparison: netns.Comparison, sizes: dict[str, int], reps: int) -> dict[str, Any]:
+def skipped_row(reason: str, name: str = "netns_vs_emulation", goal: str = GOAL) -> dict[str, Any]:
+    return {"benchmark": name, "status": "skipped", "reason": reason, "ours": None,
+            "reference": None, "ratio": None, "unit": None, "config": {"goal": goal}}
+
+
+def comparison_row(comparison: netns.Comparison, sizes: dict[str, int], reps: int,
+                   name: str = "netns_vs_emulation", goal: str = GOAL) -> dict[str, Any]:
     timings, link = comparison.timings, comparison.link
-    return {"benchmark": "netns_vs_emulation",
+    return {"benchmark": name,
             "ours": sum(t.emulated_s for t in timings) * 1e3,
             "reference": sum(t.shaped_s for t in timings) * 1e3,
             "ratio": comparison.worst_ratio(),
             "unit": "ms summed over ops and sizes (ours: emulated link, reference: real tbf-shaped veth)",
-            "config": {"goal": GOAL, "world_size": netns.WORLD_SIZE, "nodes": netns.NODES,
+            "config": {"goal": goal, "world_size": comparison.world_size, "nodes": comparison.nodes,
+                       "topology": "one veth pair" if comparison.nodes == 2 else "leaf-to-switch star (bridge)",
                        "tbf": comparison.bucket.describe(),
+                       "tbf_switch_port": (netns.TokenBucket.for_switch_port(comparison.bucket.rate).describe()
+                                           if comparison.nodes > 2 else None),
                        "measured_link": {"alpha_us": round(link.alpha * 1e6, 1),
                                          "bandwidth_MB_s": round(link.bandwidth / 1e6, 3),
                                          "inter_link": f"{link.bandwidth / 1e9:.6g},{link.alpha * 1e6:.4g}"},
@@ -59,13 +73,17 @@ def comparison_row(comparison: netns.Comparison, sizes: dict[str, int], reps: in
 
 
 def rows(quick: bool) -> list[dict[str, Any]]:
-    reason = netns.unavailable_reason()
-    if reason is not None:
-        return [skipped_row(reason)]
     sizes, reps = (QUICK_SIZES, 1) if quick else (SIZES, 3)
-    with netns.shaped_link() as link:
-        comparison = netns.compare(link, sizes, reps=reps, timeout=400)
-    return [comparison_row(comparison, sizes, reps)]
+    out = []
+    for name, nodes, per_node, goal in LAYOUTS:
+        reason = netns.unavailable_reason(nodes)
+        if reason is not None:
+            out.append(skipped_row(reason, name, goal))
+            continue
+        with netns.shaped_link(nodes=nodes) as link:
+            comparison = netns.compare(link, sizes, reps=reps, timeout=400, ranks_per_node=per_node)
+        out.append(comparison_row(comparison, sizes, reps, name, goal))
+    return out
 
 
 if __name__ == "__main__":

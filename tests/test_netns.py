@@ -1,7 +1,8 @@
 """A real shaped link (workbench.dist.netns, issue 20): the emulation's times hold where the bytes really cross one.
 
 Two network namespaces (one per node) joined by a veth pair with a tbf token bucket on both ends; ranks of each
-node run inside their namespace. Needs root, iproute2 and tbf: where any is missing (a CI runner without the
+node run inside their namespace. Three nodes: each node's veth pair runs to a bridge in a switch namespace, shaped
+on both ends (a leaf-to-switch star). Needs root, iproute2 and tbf: where any is missing (a CI runner without the
 rights) these tests skip with the reason ``unavailable_reason()`` gives, except the ones that need none of it.
 """
 
@@ -9,13 +10,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from workbench.dist import comm, netns
@@ -78,6 +82,8 @@ def test_token_bucket_is_given_in_bits_with_burst_and_limit_in_bytes() -> None:
     bucket = netns.TokenBucket.for_rate(25e6)
     assert bucket.tc_args() == ["tbf", "rate", "200000000bit", "burst", "8192", "limit", str(4 << 20)]
     assert netns.TokenBucket.for_rate(1e9).burst == 250_000  # 0.25 ms of a fast link
+    port = netns.TokenBucket.for_switch_port(25e6)  # a switch port's: the same rate, a burst of 64 KiB
+    assert (port.rate, port.burst, port.limit) == (25e6, 64 << 10, 4 << 20)
     assert netns.size_label(256 << 10) == "256KiB" and netns.size_label(64 << 20) == "64MiB"
 
 
@@ -127,10 +133,16 @@ def test_a_failing_or_stuck_rank_stops_every_rank(link: netns.ShapedLink) -> Non
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("workbench-netns-rank")]
 
 
-def test_teardown_leaves_nothing_behind_after_an_error(usable: None) -> None:
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_teardown_leaves_nothing_behind_after_an_error(nodes: int, usable: None,
+                                                       request: pytest.FixtureRequest) -> None:
+    if nodes > 2:
+        request.getfixturevalue("usable_star")
     with pytest.raises(RuntimeError, match="inside the block"):
-        with netns.shaped_link() as shaped:
-            assert netns.leftovers(shaped) == list(shaped.namespaces)  # the veth ends are inside them
+        with netns.shaped_link(nodes=nodes) as shaped:
+            # the veth ends (and the bridge) are inside the namespaces, the switch's among them from 3 nodes
+            assert netns.leftovers(shaped) == list(shaped.all_namespaces())
+            assert len(shaped.all_namespaces()) == (2 if nodes == 2 else nodes + 1)
             raise RuntimeError("inside the block")
     assert netns.leftovers(shaped) == []
 
@@ -138,13 +150,116 @@ def test_teardown_leaves_nothing_behind_after_an_error(usable: None) -> None:
 def test_namespaces_of_a_killed_process_are_removed(usable: None) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()  # its pid now names no process
-    stale = f"wb{gone.pid}x0-node0"
-    subprocess.run(["ip", "netns", "add", stale], check=True)
+    stale = [f"wb{gone.pid}x0-node0", f"wb{gone.pid}x0-node2", f"wb{gone.pid}x0-switch"]  # a 3-node link's too
+    for name in stale:
+        subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        assert stale in netns.remove_stale()
+        assert set(stale) <= set(netns.remove_stale())
     finally:
-        subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
-    assert not (netns.NETNS_DIR / stale).exists()
+        for name in stale:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    assert not [name for name in stale if (netns.NETNS_DIR / name).exists()]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# More than two nodes: each node's link runs to a switch (a bridge in a namespace of its own), shaped on both ends
+
+# The bound for three nodes: netns.agreement_bound, as for the pair, for the message; 10 % more for the all-reduce
+# (netns.STAR_ALL_REDUCE_SLACK, which says why: each ring step crosses two buckets and the bridge, whose per-packet
+# work runs on the same busy cores; measured predicted / real 0.85..0.95 over the sizes, against the message's
+# 0.97..1.02). What the looser bound still rules out from 1 MiB on: the loopback (ratio > 10) and a ring whose hops
+# share a link (two flows on one uplink or downlink: ratio <= 0.67).
+
+
+@pytest.fixture(scope="module")
+def usable_star(usable: None) -> None:
+    reason = netns.unavailable_reason(3)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def star(usable_star: None) -> Iterator[netns.ShapedLink]:
+    with netns.shaped_link(nodes=3) as shaped:
+        assert shaped.switch is not None and len(shaped.ports) == 3
+        yield shaped
+    assert netns.leftovers(shaped) == []
+
+
+def test_a_shaped_link_joins_two_to_max_nodes() -> None:
+    for nodes in (1, netns.MAX_NODES + 1, 2.0):
+        with pytest.raises(ValueError, match="a shaped link joins 2 to"):
+            with netns.shaped_link(nodes=nodes):
+                pass
+    assert [netns.node_address(i) for i in (0, 2)] == ["10.213.0.1", "10.213.0.3"]
+    assert netns.ranks_of_op(6, 3) == {"all_reduce": (0, 1, 2, 3, 4, 5), "send": (0, 4)}
+    assert netns.ranks_of_op(4, 2) == netns.RANKS_OF_OP == {"all_reduce": (0, 1, 2, 3), "send": (0, 2)}
+
+
+def _sums_and_message() -> tuple[set[str], float, list[float]]:
+    """This rank's interfaces, the all-reduced sum of rank + 1, and what rank 0's message to the last node's first
+    rank holds there (empty elsewhere)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([rank + 1.0], device="cpu")
+    comm.all_reduce(total)
+    peer = netns.message_peer(world, 3)
+    message = torch.zeros(3, device="cpu")
+    if rank == 0:
+        comm.send(torch.tensor([7.0, 8.0, 9.0], device="cpu"), peer)
+    elif rank == peer:
+        comm.recv(message, 0)
+    return _interfaces(), total.item(), message.tolist() if rank == peer else []
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_three_nodes_all_reduce_and_message_give_the_right_numbers(star: netns.ShapedLink, per_node: int) -> None:
+    world = 3 * per_node
+    results = netns.run_ranks(_sums_and_message, world, star, timeout=60)
+    for rank, (interfaces, total, message) in enumerate(results):
+        assert interfaces == {"lo", star.interfaces[rank // per_node]}  # node-major, each node in its namespace
+        assert total == world * (world + 1) / 2
+        assert message == ([7.0, 8.0, 9.0] if rank == world - per_node else [])
+    assert not set(star.all_interfaces()) & _interfaces()  # the machine's own namespace has none of it
+    with pytest.raises(ValueError, match="multiple of the 3 nodes"):
+        netns.run_ranks(_sums_and_message, 4, star)
+
+
+def test_three_node_message_time_agrees_with_the_shaped_rate(star: netns.ShapedLink) -> None:
+    # One rank per node: the message goes node 0 -> node 2 through node 0's uplink, the bridge and node 2's downlink.
+    comparison = netns.compare(star, SIZES, reps=2, emulate=False, timeout=100, ranks_per_node=1)
+    assert (comparison.world_size, comparison.nodes) == (3, 3)
+    # Two buckets of one rate in series pass that rate: gloo sees it a few % under (headers), as over the pair.
+    assert 0.85 * comparison.bucket.rate <= comparison.link.bandwidth <= comparison.bucket.rate
+    for timing in comparison.timings:
+        slack = netns.STAR_ALL_REDUCE_SLACK if timing.op == "all_reduce" else 0.0
+        assert timing.allowed == netns.agreement_bound(timing.shaped_s) + slack
+        assert abs(timing.ratio - 1) <= timing.allowed, timing.describe()
+        assert timing.within_bound()
+
+
+_SIGTERMED = textwrap.dedent("""
+    import json, time
+    from workbench.dist import netns
+    with netns.shaped_link(nodes=3) as link:
+        print(json.dumps([list(link.all_namespaces()), list(link.all_interfaces())]), flush=True)
+        time.sleep(60)
+""")
+
+
+def test_sigterm_mid_run_removes_a_three_node_link(usable_star: None) -> None:
+    import json
+
+    child = subprocess.Popen([sys.executable, "-c", _SIGTERMED], stdout=subprocess.PIPE, text=True)
+    try:
+        namespaces, interfaces = json.loads(child.stdout.readline())
+        assert all((netns.NETNS_DIR / name).exists() for name in namespaces) and len(namespaces) == 4
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == 128 + signal.SIGTERM  # SystemExit from the handler: the block unwound
+    finally:
+        child.kill()
+        child.wait()
+    assert not [name for name in namespaces if (netns.NETNS_DIR / name).exists()]
+    assert not set(interfaces) & _interfaces()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,7 +267,8 @@ def test_namespaces_of_a_killed_process_are_removed(usable: None) -> None:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(netns=True), "pass --nodes 2"),
+    (dict(netns=True), "pass --nodes"),
+    (dict(netns=True, nodes=1, inter_link="0.05,0"), "N >= 2 nodes"),
     (dict(netns=True, nodes=2), "give --inter-link GBPS,US with GBPS <= 1"),
     (dict(netns=True, nodes=2, inter_link="ethernet"), "GBPS <= 1 .* got 'ethernet'"),
     (dict(netns=True, nodes=2, inter_link="0.05,0", time_scale=2), "leave out time_scale=2"),
@@ -170,7 +286,7 @@ def test_netns_without_the_rights_is_one_clear_error(monkeypatch: pytest.MonkeyP
     from workbench.run import run_training
     from workbench.training.config import RunConfig
 
-    monkeypatch.setattr(netns, "unavailable_reason", lambda: "not root (euid 1000): namespaces need root")
+    monkeypatch.setattr(netns, "unavailable_reason", lambda nodes=2: "not root (euid 1000): namespaces need root")
     cfg = RunConfig(nproc=2, steps=2, batch_size=8, seq_len=32, nodes=2, inter_link="0.05,0", netns=True)
     with pytest.raises(ValueError, match="--netns needs network namespaces and tc tbf.*not root"):
         run_training(cfg, progress=False)
@@ -187,3 +303,15 @@ def test_a_run_over_the_real_link_trains_the_same_numbers(usable: None, tmp_path
     assert shaped["final_params_sha256"] == plain["final_params_sha256"]
     assert shaped["links"]["netns"] and "shaped with tc tbf to 50 MB/s" in shaped["links"]["describe"]
     assert "a real shaped link" in (tmp_path / "report.html").read_text()
+
+
+def test_a_run_on_three_nodes_behind_the_switch_trains_the_same_numbers(usable_star: None, tmp_path) -> None:
+    from workbench.run import run_training
+    from workbench.training.config import RunConfig
+
+    small = dict(nproc=3, steps=2, batch_size=9, seq_len=32)
+    plain = run_training(RunConfig(**small), progress=False)
+    shaped = run_training(RunConfig(**small, nodes=3, inter_link="0.05,0", netns=True), out=tmp_path, progress=False)
+    assert shaped["final_params_sha256"] == plain["final_params_sha256"]
+    links = shaped["links"]
+    assert (links["nodes"], links["ranks_per_node"]) == (3, 1) and "to a switch" in links["describe"]

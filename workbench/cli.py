@@ -318,8 +318,9 @@ def _run_topology_flags(p: argparse.ArgumentParser) -> None:
                    help="how ranks are dealt to the emulated nodes, as Slurm's --distribution: block (node-major, "
                         "default) or cyclic (round-robin: puts each tp group across nodes)")
     p.add_argument("--netns", action="store_true",
-                   help="instructors with root: run the ranks of 2 nodes in network namespaces of their own, joined by "
-                        "a real link shaped with tc tbf to --inter-link's bandwidth (needs --nodes 2), not emulated")
+                   help="instructors with root: run the ranks of each of --nodes N (>= 2) nodes in a network namespace "
+                        "of its own, joined by real links shaped with tc tbf to --inter-link's bandwidth (a veth pair "
+                        "for 2 nodes, a switch from 3), not emulated")
     p.add_argument("--straggler", default=None, metavar="rank=R:factor=F",
                    help="emulate a straggler: rank R's forward, backward and optimizer take F times as long, and "
                         "synchronous training waits for it")

@@ -319,18 +319,19 @@ def preemptible(cfg: RunConfig) -> Iterator[tuple[RunConfig, Preemption | None]]
 
 
 def _run_on_shaped_link(cfg: RunConfig) -> Any:
-    """``--netns``: the ranks of each node in a network namespace of their own, joined by a real link shaped with tc
-    tbf to the inter-node bandwidth (``workbench.dist.netns``); refused, naming what is missing, without root."""
+    """``--netns``: the ranks of each node in a network namespace of their own, joined by real links shaped with tc
+    tbf to the inter-node bandwidth (``workbench.dist.netns``: a veth pair for 2 nodes, a switch from 3); refused,
+    naming what is missing, without root."""
     from workbench.dist import netns
     from workbench.training.trainer import train_rank
 
-    reason = netns.unavailable_reason()
+    reason = netns.unavailable_reason(cfg.nodes)
     if reason is not None:
         raise ValueError(f"--netns needs network namespaces and tc tbf, which this process cannot use: {reason}")
     rate = _netns_rate(cfg)
     # the whole run's bound: every step may take up to the collective timeout (a hung collective fails sooner)
-    return netns.launch_shaped(train_rank, cfg.nproc, rate, cfg, timeout=cfg.timeout * (cfg.steps + 5),
-                               group_timeout=cfg.timeout)
+    return netns.launch_shaped(train_rank, cfg.nproc, rate, cfg, nodes=cfg.nodes,
+                               timeout=cfg.timeout * (cfg.steps + 5), group_timeout=cfg.timeout)
 
 
 def _netns_rate(cfg: RunConfig) -> float:
@@ -340,11 +341,12 @@ def _netns_rate(cfg: RunConfig) -> float:
 
 
 def _netns_summary(cfg: RunConfig) -> dict[str, Any]:
-    rate = _netns_rate(cfg)
-    return {"netns": True, "emulated": False, "nodes": 2, "ranks_per_node": cfg.nproc // 2, "rate_Bps": rate,
-            "describe": f"2 nodes x {cfg.nproc // 2} ranks in network namespaces of their own, joined by a veth pair "
-                        f"shaped with tc tbf to {rate / 1e6:g} MB/s each way (real time, not emulated; the latency "
-                        f"is the real link's, not the spec's)",
+    rate, nodes = _netns_rate(cfg), cfg.nodes
+    joined = "a veth pair" if nodes == 2 else "veth pairs to a switch (a bridge), each"
+    return {"netns": True, "emulated": False, "nodes": nodes, "ranks_per_node": cfg.nproc // nodes, "rate_Bps": rate,
+            "describe": f"{nodes} nodes x {cfg.nproc // nodes} ranks in network namespaces of their own, joined by "
+                        f"{joined} shaped with tc tbf to {rate / 1e6:g} MB/s each way (real time, not emulated; the "
+                        f"latency is the real link's, not the spec's)",
             "rank0_by_link": {}}
 
 

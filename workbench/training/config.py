@@ -110,7 +110,7 @@ class RunConfig:
     inter_link: str | None = None  # link between nodes; default infiniband
     time_scale: float | str | None = None  # emulated seconds x this; a GPU name (h100-bf16) measures it; default 1
     distribution: str | None = None  # emulated nodes: block (node-major, the default) or cyclic (round-robin)
-    netns: bool = False  # run the 2 nodes' ranks in network namespaces joined by a real tbf-shaped link (root)
+    netns: bool = False  # run each node's ranks in a network namespace, joined by real tbf-shaped links (root)
     straggler: str | None = None  # rank=R:factor=F: rank R computes F times slower (dist.emulation.Straggler)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -369,12 +369,14 @@ class RunConfig:
                             self.inter_link or "infiniband", 1.0, self.distribution or "block")
 
     def _validate_netns(self) -> None:
-        """``--netns`` runs the ranks over a real link (``dist.netns``): 2 nodes, gloo, one shaped rate; what it cannot
-        do is refused here (whether this machine lets us build it is checked when the run starts)."""
-        if self.nodes != 2:
-            raise ValueError(f"netns runs the ranks as 2 nodes in network namespaces of their own: pass --nodes 2 "
+        """``--netns`` runs the ranks over a real link (``dist.netns``): N >= 2 nodes (a veth pair for 2, a switch
+        from 3), gloo, one shaped rate; what it cannot do is refused here (whether this machine lets us build it is
+        checked when the run starts)."""
+        if self.nodes is None or self.nodes < 2:
+            raise ValueError(f"netns runs the ranks as N >= 2 nodes in network namespaces of their own: pass --nodes N "
                              f"(got nodes={self.nodes})")
-        rate = None if self.inter_link is None else LinkEmulation.build(self.nproc, 2, inter_link=self.inter_link)
+        rate = (None if self.inter_link is None
+                else LinkEmulation.build(self.nproc, self.nodes, inter_link=self.inter_link))
         if rate is None or rate.topology.inter.bandwidth > NETNS_MAX_RATE:
             raise ValueError(f"netns shapes the real link between the nodes with tc tbf: give --inter-link GBPS,US "
                              f"with GBPS <= {NETNS_MAX_RATE / 1e9:g} (the loopback underneath is no faster), got "
