@@ -10,6 +10,7 @@ windows every rank reports it trained on (the sampler's record).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from workbench.cli import main, run_training
 from workbench.data import ShardedSampler, make_lm_data
 from workbench.dist.faults import after_shrink, lost_for_good, parse_faults
+from workbench.run import torchrun_world
 from workbench.theory.elastic import elastic_accumulation, fitting_batch_size
 from workbench.training.config import RunConfig
 from workbench.training.elastic import lost_ranks, resized
@@ -64,6 +66,21 @@ def test_several_lose_specs_each_shrink_the_world_they_strike() -> None:
     assert lost_ranks(cfg, 3) == (3,)
     smaller = resized(cfg, 3, budget=3, resume=False, faults_left=after_shrink(faults, 2))
     assert smaller.inject_fault == "lose:rank=1,2:step=4" and lost_ranks(smaller, 2) == (1, 2)
+
+
+def test_under_torchrun_each_attempt_takes_the_world_the_rendezvous_formed(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """``run.torchrun_world``: torchrun --nnodes 1:2 restarted the workers in a world of 2 after a node was lost (the
+    end-to-end run with a node killed is tests/test_torchrun_elastic.py, extended lane)."""
+    cfg = RunConfig(**BASE, nproc=4, ckpt_dir=str(tmp_path), min_nproc=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    smaller, event = torchrun_world(cfg)
+    assert (smaller.nproc, smaller.dp, smaller.grad_accum, smaller.batch_size) == (2, 2, 2, 12)
+    assert smaller.resume is False and event["world_size"] == 2  # nothing saved yet: it starts from step 0
+    assert torchrun_world(dataclasses.replace(cfg, min_nproc=None)) == (dataclasses.replace(cfg, min_nproc=None), None)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="torchrun formed a world of 1 ranks; this elastic run goes on with 2..4"):
+        torchrun_world(cfg)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -71,6 +71,7 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
 
     # Under torchrun every process runs this function; only global rank 0 draws and writes.
     lead = not under_torchrun() or os.environ.get("RANK") == "0"
+    cfg, torchrun_resize = torchrun_world(cfg) if under_torchrun() else (cfg, None)
     bar = progress_bar(cfg.steps, f"training on {cfg.nproc} rank(s)", enabled=progress and lead)
     streamed: list[dict[str, Any]] = []  # rank 0's metrics of every attempt: a restart's history starts later
     record = open_record(cfg) if lead else None  # the whole run's record (workbench.record): one writer
@@ -87,8 +88,10 @@ def run_training(cfg: RunConfig, out: str | Path | None = None, progress: bool =
         if on_metrics is not None:
             on_metrics(rank, metrics)
 
-    if cfg.resume and lead:
-        prepare_resume(cfg)
+    if cfg.resume and lead or under_torchrun() and cfg.min_nproc is not None:  # torchrun: each process's own
+        prepare_resume(cfg, lead)
+    if torchrun_resize is not None and record is not None:
+        record.event("world_size", **torchrun_resize)
     links = cfg.link_emulation()
     with preemptible(cfg) as (cfg, preemption), recording(record):
         try:
@@ -379,22 +382,89 @@ def links_summary(links: LinkEmulation, traces: list[Any]) -> dict[str, Any]:
             "time_scale": links.time_scale, "rank0_by_link": per_class}
 
 
-def prepare_resume(cfg: RunConfig) -> None:
+def prepare_resume(cfg: RunConfig, lead: bool = True) -> None:
     """A resume on another layout gathers the checkpoint into full tensors first (``train.prepare_resharded_resume``,
-    which launches the saved layout's ranks on the CPU): not from inside torchrun, whose processes are the ranks."""
+    which launches the saved layout's ranks on the CPU). Under torchrun, whose processes are the ranks, only an
+    elastic run (``--min-nproc``: torchrun's ``--nnodes MIN:MAX`` re-formed the world) may change layout: its rank 0
+    gathers the checkpoint in a process group of its own, and every other process waits for the file."""
     from workbench.checkpoint.resume import find_resume_point, layout_changes
-    from workbench.checkpoint.store import read_manifest
+    from workbench.checkpoint.store import list_steps, read_manifest
+    from workbench.dist.faults import restart_count
     from workbench.dist.launch import under_torchrun
     from workbench.training.trainer import prepare_resharded_resume
 
-    if under_torchrun():
+    if not under_torchrun():
+        if note := prepare_resharded_resume(cfg):
+            say(note)
+        return
+    if cfg.min_nproc is None:
         saved = read_manifest(find_resume_point(cfg))["meta"]["run_config"]
         if changes := layout_changes(cfg, saved):
             raise ValueError(f"resuming on another layout ({'; '.join(changes)}) is not supported under torchrun: "
-                             f"run `workbench run --resume` with the new layout without torchrun")
+                             f"run `workbench run --resume` with the new layout without torchrun, or let an elastic "
+                             f"run (--min-nproc) re-form it")
         return
-    if note := prepare_resharded_resume(cfg):
-        say(note)
+    if not (cfg.resume or restart_count() > 0) or not list_steps(cfg.ckpt_dir):
+        return
+    point = find_resume_point(cfg, finished_ok=restart_count() > 0)
+    if layout_changes(cfg, read_manifest(point)["meta"]["run_config"]):
+        # one launch of the saved layout, each of its collectives bounded by --timeout: 5x that bounds the wait
+        _gather_outside_torchrun(point) if lead else _wait_for_gathered(point, 5 * cfg.timeout)
+
+
+def _gather_outside_torchrun(point: Path) -> None:
+    """``consolidate_checkpoint(point)`` in a child process without torchrun's variables, so its ranks form a group
+    of their own on this host (the checkpoint store is shared, as a resume on any node needs)."""
+    import subprocess
+
+    from workbench.checkpoint.resume import FULL_STATE
+
+    if (point / FULL_STATE).is_file():
+        return
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    code = ("import sys; from workbench.training.trainer import consolidate_checkpoint; "
+            "consolidate_checkpoint(sys.argv[1])")
+    subprocess.run([sys.executable, "-c", code, str(point)], env=env, check=True)
+    say(f"resharding {point.name} for the world torchrun formed ({os.environ.get('WORLD_SIZE')} ranks)")
+
+
+def _wait_for_gathered(point: Path, timeout: float) -> None:
+    from workbench.checkpoint.resume import FULL_STATE
+
+    deadline = time.time() + timeout
+    while not (point / FULL_STATE).is_file():
+        if time.time() > deadline:
+            raise TimeoutError(f"rank 0 did not gather {point} into {FULL_STATE} within {timeout:g} s (5 x --timeout)")
+        time.sleep(0.1)
+
+
+#: What torchrun sets in each process (and ``dist.launch.under_torchrun`` reads); a child without them launches ranks
+#: of its own.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_world(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any] | None]:
+    """Under torchrun: ``cfg`` for the world this attempt's rendezvous formed. With ``--min-nproc`` and torchrun's
+    ``--nnodes MIN:MAX`` a lost node's agent is gone and the survivors' agent restarts its workers in a smaller world
+    (a node that comes back makes it larger again): the run keeps its global batch by gradient accumulation, as
+    ``--min-nproc`` does without torchrun (``training.elastic``). Returns the config and, when it changed, the
+    record's ``world_size`` event."""
+    from workbench.checkpoint.store import list_steps
+    from workbench.training.elastic import micro_batch, resized
+
+    world = int(os.environ["WORLD_SIZE"])
+    if cfg.min_nproc is None or world == cfg.nproc:
+        return cfg, None
+    if not cfg.min_nproc <= world <= cfg.nproc:
+        raise ValueError(f"torchrun formed a world of {world} ranks; this elastic run goes on with "
+                         f"{cfg.min_nproc}..{cfg.nproc} (--min-nproc..--nproc)")
+    smaller = resized(cfg, world, micro_batch(cfg), resume=bool(list_steps(cfg.ckpt_dir)))
+    if os.environ.get("RANK") == "0":  # every process resizes; one says so
+        say(f"torchrun formed a world of {world} rank(s) (of {cfg.nproc}): the same global batch of {cfg.batch_size}, "
+            f"gradient accumulation {cfg.grad_accum} -> {smaller.grad_accum}")
+    return smaller, {"world_size": world, "grad_accum": smaller.grad_accum,
+                     "reason": f"torchrun's rendezvous formed {world} of {cfg.nproc} ranks"}
 
 
 def _restart_log(restarts: list[dict[str, Any]], streamed: list[dict[str, Any]],
