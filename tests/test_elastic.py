@@ -19,7 +19,7 @@ import pytest
 
 from workbench.cli import main, run_training
 from workbench.data import ShardedSampler, make_lm_data
-from workbench.dist.faults import after_shrink, lost_for_good, parse_faults
+from workbench.dist.faults import after_shrink, parse_faults
 from workbench.run import torchrun_world
 from workbench.theory.elastic import elastic_accumulation, fitting_batch_size
 from workbench.training.config import RunConfig
@@ -60,7 +60,6 @@ def test_resized_config_keeps_the_batch_and_drops_the_fault(tmp_path: Path) -> N
 def test_several_lose_specs_each_shrink_the_world_they_strike() -> None:
     faults = parse_faults("lose:rank=1,2:step=4;lose:rank=3:step=2", nproc=4, steps=6)
     assert [(f.ranks, f.step) for f in faults] == [((3,), 2), ((1, 2), 4)]  # in step order
-    assert lost_for_good(faults) == 3
     assert after_shrink(faults, 2) == "lose:rank=1,2:step=4" and after_shrink(faults, 4) is None
     cfg = RunConfig(**BASE, nproc=4, ckpt_dir="ck", min_nproc=1, inject_fault="lose:rank=3:step=2;lose:rank=1,2:step=4")
     assert lost_ranks(cfg, 3) == (3,)

@@ -139,11 +139,6 @@ def parse_faults(specs: str | None, nproc: int | None = None, steps: int | None 
     return faults
 
 
-def lost_for_good(faults: list[FaultSpec]) -> int:
-    """How many ranks the ``lose`` specs take away over the whole run."""
-    return sum(len(f.ranks) for f in faults if f.kind == "lose")
-
-
 def after_shrink(faults: list[FaultSpec], lost_step: int) -> str | None:
     """The ``--inject-fault`` value a shrunk world runs with: the ``lose`` specs still to come. The one that struck
     (at ``lost_step``) has happened, and every other kind fired in the first world only, as on a real cluster."""

@@ -321,7 +321,7 @@ class RunConfig:
                              f"needs --min-nproc M (an elastic run goes on with the survivors); "
                              f"kill:rank={lost[0].rank}:step={lost[0].step} with --max-restarts shows a restart of "
                              f"the same world instead")
-        for stall in (f for f in faults if f.kind == "stall" and f.seconds >= self.timeout):
+        if stall := next((f for f in faults if f.kind == "stall" and f.seconds >= self.timeout), None):
             raise ValueError(f"fault {stall} stalls rank(s) {list(stall.ranks)} for {stall.seconds:g} s, at least "
                              f"--timeout={self.timeout:g} s: the peers would time out, which is a hang "
                              f"(hang:rank={stall.rank}:step={stall.step}); stall for less than {self.timeout:g} s")
