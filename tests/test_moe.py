@@ -320,6 +320,26 @@ def test_calculator_holds_e_over_ep_experts_per_rank():
         calculator_table("mixtral-8x7B", dp=64, zero_stage=1, ep=3)
 
 
+def test_calculator_prices_expert_gradients_over_the_ranks_holding_the_same_experts():
+    """calc's dp traffic with expert parallelism: the dense part reduces over dp, each rank's E/ep experts over the
+    dp/ep ranks that hold the same ones (``expert_dp``, the trainer's ``expert_data`` traffic), not every expert over
+    dp. ZeRO-1 in bf16 (classic): reduce-scatter and all-gather of 2-byte values, (N-1)/N of each on the wire."""
+    from workbench.theory.calculator import calculator_table
+    from workbench.theory.expert import preset_expert_params
+    from workbench.theory.models import MODEL_PRESETS
+
+    shape = MODEL_PRESETS["mixtral-8x7B"]
+    experts_total = shape["n_layer"] * 8 * preset_expert_params(shape)
+    comm = calculator_table("mixtral-8x7B", dp=8, zero_stage=1, ep=4)["comm"]
+    dense, local = shape["n_params"] - experts_total, experts_total // 4
+    assert (comm["dp"]["group_size"], comm["expert_dp"]["group_size"]) == (8, 2)
+    assert comm["dp"]["wire_bytes"] == pytest.approx(2 * 2 * dense * 7 / 8, rel=1e-12)
+    assert comm["expert_dp"]["wire_bytes"] == pytest.approx(2 * 2 * local * 1 / 2, rel=1e-12)
+    parts = sum(comm[a]["time_s"] for a in ("dp", "expert_dp", "cp", "tp", "pp"))
+    assert comm["total_time_s"] == pytest.approx(parts, rel=1e-12)
+    assert "expert_dp" not in calculator_table("llama-7B", dp=8, zero_stage=1)["comm"]  # a dense model: one dp row
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [

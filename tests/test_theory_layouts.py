@@ -176,3 +176,20 @@ def test_llama_activations_split_with_tp_and_sp() -> None:
     sbh = 4096 * 8192
     assert tp8 == 8 * sbh + (4 + 28) * sbh / 8 + 0.5 * sbh / 8  # the 4 unsplit p·sbh stay whole
     assert sp8 == whole / 8
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_dp_traffic_moves_the_bytes_the_memory_layout_keeps(zero: int) -> None:
+    """The dp row of ``layout_comm`` reduces gradients and gathers parameters at the memory layout's bytes: 16-bit
+    under "classic", fp32 under "amp" (what ``workbench run`` all-reduces under autocast), so amp's traffic is
+    exactly twice classic's in a mixed precision, and fp32 is the same under both."""
+    from workbench.theory.parallelism import layout_comm
+
+    layout = Layout(dp=8, zero_stage=zero)
+    classic, amp = (layout_comm("llama-7B", layout, "bf16", memory_layout=m)["dp"] for m in ("classic", "amp"))
+    assert amp["wire_bytes"] == 2 * classic["wire_bytes"] > 0
+    assert [op for op, _, _ in amp["ops"]] == [op for op, _, _ in classic["ops"]]
+    fp32 = [layout_comm("llama-7B", layout, "fp32", memory_layout=m)["dp"]["wire_bytes"] for m in ("classic", "amp")]
+    assert fp32[0] == fp32[1] == amp["wire_bytes"]
+    table = calculator_table("llama-7B", dp=8, zero_stage=zero, precision="bf16", memory_layout="amp")
+    assert table["comm"]["dp"]["wire_bytes"] == amp["wire_bytes"]  # calc prices the layout it is given

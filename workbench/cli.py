@@ -573,7 +573,9 @@ def _print_calc_pipeline_and_comm(table: dict[str, Any], layout: Any) -> None:
     comm = table["comm"]
     print(f"communication per step (α-β ring model, {table['comm_micro_batch']} sequence(s) per micro-batch, "
           f"nothing overlapped), on the slowest pipeline rank:")
-    for axis in ("dp", "cp", "tp", "pp"):
+    for axis in ("dp", "expert_dp", "cp", "tp", "pp"):
+        if axis not in comm:  # expert_dp: a mixture of experts only
+            continue
         c = comm[axis]
         if c["group_size"] == 1:
             print(f"  {axis}     1 rank   no traffic")

@@ -18,7 +18,7 @@ from workbench.theory.memory import (
     to_unit,
 )
 from workbench.theory.models import MODEL_PRESETS
-from workbench.theory.parallelism import Layout, Link, analyze_layout
+from workbench.theory.parallelism import Layout, Link, analyze_layout, data_parallel_comm
 from workbench.theory.pipeline import bubble_fraction
 from workbench.theory.pipeline import validate as validate_schedule
 from workbench.theory.precisions import is_mixed
@@ -95,12 +95,15 @@ def calculator_table(
     memory = result["memory"]
     notes = _shape_notes(MODEL_PRESETS[model], layout, precision, memory_layout)
     experts = MODEL_PRESETS[model].get("moe_experts", 0) if moe_experts is None else moe_experts
+    comm = result["comm"]
     if experts:
+        comm = _split_expert_traffic(comm, memory["ranks"], MODEL_PRESETS[model], layout, experts, ep, precision,
+                                     memory_layout)
         memory = _split_experts(memory, MODEL_PRESETS[model], layout, experts, ep, precision, optimizer,
                                 memory_layout)
         notes.append(f"experts: {experts // ep} of {experts} per rank and layer (ep={ep}), ZeRO over the "
-                     f"{layout.shard_group // ep} rank(s) holding the same ones; the dp row's traffic still counts "
-                     f"every parameter over dp")
+                     f"{layout.shard_group // ep} rank(s) holding the same ones; their gradients travel over those "
+                     f"ranks (the expert_dp row), the dense rest over dp")
     worst = memory["ranks"][memory["worst"]]
     if batch:
         notes.append(f"activations: Korthikanti et al. 2022, micro-batch {batch}, recompute={recompute}, "
@@ -112,7 +115,7 @@ def calculator_table(
     return _finish_table(model, n_params, dict(memory["per_rank"]), worst["cpu"], layout, device_gb, precision,
                          optimizer, notes, memory_layout, stages=stages, worst_stage=memory["worst"],
                          bubble=result["bubble"], peak_in_flight=[r["peak_in_flight"] for r in memory["ranks"]],
-                         comm=result["comm"], comm_micro_batch=result["comm_micro_batch"])
+                         comm=comm, comm_micro_batch=result["comm_micro_batch"])
 
 
 def _shape_notes(shape: dict, layout: Layout, precision: str, memory_layout: str) -> list[str]:
@@ -154,6 +157,24 @@ def _split_experts(memory: dict, shape: dict, layout: Layout, experts: int, ep: 
     worst = max(range(len(ranks)), key=lambda i: ranks[i]["total"])
     return {**memory, "ranks": ranks, "worst": worst, "per_rank": ranks[worst]["per_rank"],
             "total": ranks[worst]["total"]}
+
+
+def _split_expert_traffic(comm: dict, ranks: list[dict], shape: dict, layout: Layout, experts: int, ep: int,
+                          precision: str, memory_layout: str) -> dict:
+    """``layout_comm``'s dp row split for expert parallelism: a pipeline rank's dense parameters reduce over dp·cp
+    as before, its E/ep experts of every layer over the dp·cp/ep ranks holding the same experts (``expert_dp``: the
+    trainer's ``expert_data`` traffic), each priced at the slowest pipeline rank."""
+    check_ep(experts, ep, layout.dp)
+    link = Link(**comm["dp"]["link"])
+    split = []
+    for r in ranks:
+        expert = round(r["layers"] * experts * preset_expert_params(shape) / layout.tp)
+        dense = data_parallel_comm(r["params"] - expert, layout, link, precision, memory_layout)
+        local = data_parallel_comm(expert // ep, layout, link, precision, memory_layout, layout.shard_group // ep)
+        split.append(({**dense, "pp_rank": r["pp_rank"]}, {**local, "pp_rank": r["pp_rank"]}))
+    dense, local = max(split, key=lambda pair: pair[0]["time_s"] + pair[1]["time_s"])
+    total = comm["total_time_s"] - comm["dp"]["time_s"] + dense["time_s"] + local["time_s"]
+    return {**comm, "dp": dense, "expert_dp": local, "total_time_s": total}
 
 
 def _custom_table(layout: Layout, custom_params_b: float | None, precision: str, optimizer: str, batch: int,

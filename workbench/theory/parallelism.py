@@ -73,6 +73,7 @@ from workbench.theory.memory import (
     kv_heads_per_rank,
     model_state_bytes,
     offloaded_bytes,
+    state_bytes_per_param,
 )
 from workbench.theory.models import preset_activation_bytes, resolve_preset
 from workbench.theory.pipeline import (
@@ -331,10 +332,26 @@ def _count(collectives: list[tuple[str, float]], times: int) -> list[tuple[str, 
     return [(op, size, n) for (op, size), n in counted.items() if n]
 
 
-def _dp_ops(params: float, layout: Layout, precision: str) -> list[tuple[str, float, int]]:
+def _dp_ops(params: float, layout: Layout, precision: str, memory_layout: str) -> list[tuple[str, float, int]]:
+    """Gradients reduced and parameters gathered at the bytes the memory layout keeps them in: 16-bit in the
+    classic mixed layout, fp32 under "amp" (autocast over fp32 parameters, whose gradients are fp32: what
+    ``workbench run`` all-reduces), so a mixed-precision run's dp traffic is the amp layout's, 2x the classic."""
     if layout.shard_group == 1:
         return []
-    return _count(dp_step_collectives(params, _bytes_per_value(precision), layout.zero_stage), 1)
+    nbytes = state_bytes_per_param(precision, memory_layout=memory_layout)["gradients"]
+    return _count(dp_step_collectives(params, nbytes, layout.zero_stage), 1)  # data_parallel_comm's ops
+
+
+def data_parallel_comm(params: float, layout: Layout, link: Link, precision: str = "bf16-mixed",
+                       memory_layout: str = DEFAULT_LAYOUT, group: int | None = None) -> dict:
+    """``layout_comm``'s dp row for ``params`` parameters over ``group`` ranks (default the layout's dp x cp): what
+    expert parallelism's experts need, ZeRO-sharded over the dp·cp/ep ranks that hold the same ones."""
+    world = layout.shard_group if group is None else group
+    positive_int("group", world)
+    if world == 1:
+        return _axis_cost([], 1, link)
+    nbytes = state_bytes_per_param(precision, memory_layout=memory_layout)["gradients"]
+    return _axis_cost(_count(dp_step_collectives(params, nbytes, layout.zero_stage), 1), world, link)
 
 
 def _cp_ops(shape: dict, layers: int, b: int, s: int, layout: Layout, precision: str,
@@ -376,9 +393,9 @@ def _pp_ops(shape: dict, info: dict, b: int, s: int, layout: Layout, precision: 
 
 
 def _axis_ops(axis: str, shape: dict, info: dict, b: int, s: int, layout: Layout, precision: str,
-              recompute: str) -> list[tuple[str, float, int]]:
+              recompute: str, memory_layout: str = DEFAULT_LAYOUT) -> list[tuple[str, float, int]]:
     if axis == "dp":
-        return _dp_ops(info["params"], layout, precision)
+        return _dp_ops(info["params"], layout, precision, memory_layout)
     if axis == "cp":
         return _cp_ops(shape, info["layers"], b, s, layout, precision, recompute)
     local = s // layout.cp  # a context-parallel rank's activations are those of its s/cp tokens
@@ -395,12 +412,15 @@ def layout_comm(
     seq_len: int | None = None,
     recompute: str = "none",
     links: Mapping[str, Link] | None = None,
+    memory_layout: str = DEFAULT_LAYOUT,
 ) -> dict:
     """Communication of one optimizer step per axis, for the pipeline rank where that axis is slowest.
 
     Returns {axis: {group_size, link, ops [(op, S bytes, count)], tensor_bytes, wire_bytes, time_s, pp_rank}}
     for "dp" (over dp x cp: cp ranks average their gradients too), "cp", "tp", "pp", and "total_time_s" (their
-    sum: nothing overlapped). Axes of size 1 have no ops.
+    sum: nothing overlapped). Axes of size 1 have no ops. ``memory_layout`` sets the bytes of the dp row's gradients
+    and parameters (``theory.memory.MEMORY_LAYOUTS``: 16-bit under "classic", fp32 under "amp"); activations travel
+    at the compute precision either way.
     """
     shape = resolve_preset(model)
     layout.validate(shape, seq_len)
@@ -411,8 +431,9 @@ def layout_comm(
     out: dict = {}
     for axis in AXES:
         world = layout.shard_group if axis == "dp" else getattr(layout, axis)  # gradients: over dp x cp
-        costs = [{**_axis_cost(_axis_ops(axis, shape, info, micro_batch, s, layout, precision, recompute),
-                               world, link[axis]), "pp_rank": info["pp_rank"]} for info in ranks]
+        costs = [{**_axis_cost(_axis_ops(axis, shape, info, micro_batch, s, layout, precision, recompute,
+                                         memory_layout), world, link[axis]), "pp_rank": info["pp_rank"]}
+                 for info in ranks]
         out[axis] = max(costs, key=lambda c: c["time_s"])
     out["total_time_s"] = sum(out[a]["time_s"] for a in AXES)
     return out
@@ -437,7 +458,7 @@ def analyze_layout(
     """
     memory = layout_memory(model, layout, precision, optimizer, micro_batch, seq_len, recompute, memory_layout)
     comm_b = comm_micro_batch if comm_micro_batch is not None else (micro_batch or 1)
-    comm = layout_comm(model, layout, precision, comm_b, seq_len, recompute, links)
+    comm = layout_comm(model, layout, precision, comm_b, seq_len, recompute, links, memory_layout)
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     return {"layout": asdict(layout), "memory": memory, "comm": comm, "comm_micro_batch": comm_b,
             "bubble": bubble}
@@ -445,5 +466,6 @@ def analyze_layout(
 
 __all__ = [
     "AXES", "DEFAULT_LINKS", "INFINIBAND", "NVLINK", "Layout", "Link", "ParamPart", "analyze_layout",
+    "data_parallel_comm",
     "layout_comm", "layout_memory", "micro_batch_size", "param_parts", "stage_params",
 ]

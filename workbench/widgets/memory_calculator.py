@@ -75,7 +75,7 @@ def _comm_html(table: dict) -> str:
         f"<tr><td>{axis}</td><td style='text-align:right'>{comm[axis]['group_size']}</td>"
         f"<td style='text-align:right'>{comm[axis]['wire_bytes'] / 1e9:.3g}</td>"
         f"<td style='text-align:right'>{comm[axis]['time_s'] * 1e3:.3g}</td><td>{comm[axis]['link']['name']}</td></tr>"
-        for axis in AXES)
+        for axis in (*AXES, "expert_dp") if axis in comm)
     return (f"<br>communication per step (α-β ring model, micro-batch {table['comm_micro_batch']}, not overlapped):"
             f"<table><tr><th>axis</th><th>ranks</th><th>GB sent per rank</th><th>ms</th><th>link</th></tr>{rows}"
             f"</table>total {comm['total_time_s'] * 1e3:.3g} ms")
