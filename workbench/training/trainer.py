@@ -306,12 +306,15 @@ class Trainer:
             m["ranks"] = [comm.global_rank(group, r) for r in m["ranks"]]
         return mismatches
 
-    def roll_back(self, bad_step: int) -> int:
-        """Reload the newest checkpoint and skip the batches from there to ``bad_step`` (PaLM's remedy for a
-        spike, Chowdhery et al. 2022 §5.1); returns the step rolled back to."""
+    def roll_back(self, bad_step: int, skip_data: bool = True) -> int:
+        """Reload the newest checkpoint and, for a loss spike, skip the batches from there to ``bad_step`` (PaLM's
+        remedy, Chowdhery et al. 2022 §5.1); returns the step rolled back to. A corrupted replica (``skip_data``
+        False) replays the same batches: they were not what went wrong, and the replay then ends where the
+        uncorrupted run would have."""
         self.checkpoints.finish()  # the newest checkpoint may still be being written
         step, _ = self.resume()  # without after_restart it finds a checkpoint or raises
-        self.data_skip += bad_step - step
+        if skip_data:
+            self.data_skip += bad_step - step
         return step
 
 
@@ -351,12 +354,13 @@ def train_rank(cfg: RunConfig) -> dict[str, Any]:
         if flips := [f for f in faults if bitflip_due(f, comm.group_rank(), metrics["step"])]:
             trainer.flip_bit()
             faults = [f for f in faults if f not in flips]
-        action = _health_action(trainer, health, metrics, lambda: bool(written) or bool(list_steps(cfg.ckpt_dir)))
+        action, data_suspect = _health_action(trainer, health, metrics,
+                                              lambda: bool(written) or bool(list_steps(cfg.ckpt_dir)))
         if action == "stop":
             stopped_after = metrics["step"]
             break
         if action == "rollback":
-            back_to = trainer.roll_back(metrics["step"])
+            back_to = trainer.roll_back(metrics["step"], skip_data=data_suspect)
             health.rolled_back(back_to)
             history = [m for m in history if m["step"] <= back_to]
             continue
@@ -395,24 +399,29 @@ _SEVERITY = {None: 0, "warn": 1, "rollback": 2, "stop": 3}
 
 
 def _health_action(trainer: Trainer, health: HealthMonitor, metrics: dict[str, Any],
-                   has_checkpoint: Callable[[], bool]) -> str | None:
-    """The step's health verdicts, said once (rank 0; every rank reaches the same ones), and the stronger action.
+                   has_checkpoint: Callable[[], bool]) -> tuple[str | None, bool]:
+    """The step's health verdicts, said once (rank 0; every rank reaches the same ones): the stronger action, and
+    whether the data is suspect (a loss verdict asked for it: a rollback then skips the batches; a replica
+    mismatch alone replays them).
 
     The replica check runs every ``sdc_check_every`` steps, and also before every checkpoint and after the last
     step: a checkpoint is then written only after a passing check, so a rollback never reloads a corrupted replica.
     Every rank takes the same decision to check (step, due checkpoint), so the all-gather inside is matched."""
     cfg = trainer.cfg
-    verdicts = [health.verdict(metrics, has_checkpoint)]
+    verdicts = [(health.verdict(metrics, has_checkpoint), True)]
     every = cfg.sdc_check_every
     if every and (metrics["step"] % every == 0 or trainer.checkpoint_due() or trainer.step_index == cfg.steps):
-        verdicts.append(health.sdc_verdict(metrics["step"], trainer.check_replicas(), has_checkpoint))
-    actions = []
-    for verdict in filter(None, verdicts):
+        verdicts.append((health.sdc_verdict(metrics["step"], trainer.check_replicas(), has_checkpoint), False))
+    actions, data_suspect = [], False
+    for verdict, from_loss in verdicts:
+        if verdict is None:
+            continue
         problem, action = verdict
         if comm.group_rank() == 0:
             notice(f"step {metrics['step']}: {problem}; action: {action}")
         actions.append(action)
-    return max(actions, key=_SEVERITY.__getitem__, default=None)
+        data_suspect |= from_loss
+    return max(actions, key=_SEVERITY.__getitem__, default=None), data_suspect
 
 
 def _strike_before_step(faults: list[FaultSpec], trainer: Trainer) -> list[FaultSpec]:
