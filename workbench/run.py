@@ -498,7 +498,7 @@ def open_record(cfg: RunConfig) -> RunRecord:
 
     again = restart_count()  # > 0 under torchrun: this process is a restarted attempt of the same run
     record = RunRecord(None if cfg.ckpt_dir is None else record_path(cfg.ckpt_dir), fresh=not cfg.resume and not again)
-    cause = "resume" if cfg.resume else "restart" if again else "start"
+    cause = "restart" if again else "resume" if cfg.resume else "start"  # a restarted torchrun attempt may resume
     record.start(cause, cfg.nproc, {**_mesh(cfg), "zero": cfg.zero}, number=again)
     return record
 
