@@ -23,7 +23,7 @@ from workbench.dist.faults import after_shrink, parse_faults
 from workbench.run import torchrun_world
 from workbench.theory.elastic import elastic_accumulation, fitting_batch_size
 from workbench.training.config import RunConfig
-from workbench.training.elastic import lost_ranks, resized
+from workbench.training.elastic import resized, striking_lose
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,9 +62,9 @@ def test_several_lose_specs_each_shrink_the_world_they_strike() -> None:
     assert [(f.ranks, f.step) for f in faults] == [((3,), 2), ((1, 2), 4)]  # in step order
     assert after_shrink(faults, 2) == "lose:rank=1,2:step=4" and after_shrink(faults, 4) is None
     cfg = RunConfig(**BASE, nproc=4, ckpt_dir="ck", min_nproc=1, inject_fault="lose:rank=3:step=2;lose:rank=1,2:step=4")
-    assert lost_ranks(cfg, 3) == (3,)
+    assert striking_lose(cfg, 3).ranks == (3,) and striking_lose(cfg, 1) is None  # rank 1 goes at step 4
     smaller = resized(cfg, 3, budget=3, resume=False, faults_left=after_shrink(faults, 2))
-    assert smaller.inject_fault == "lose:rank=1,2:step=4" and lost_ranks(smaller, 2) == (1, 2)
+    assert smaller.inject_fault == "lose:rank=1,2:step=4" and striking_lose(smaller, 2).ranks == (1, 2)
 
 
 def test_under_torchrun_each_attempt_takes_the_world_the_rendezvous_formed(monkeypatch: pytest.MonkeyPatch,

@@ -207,7 +207,7 @@ def _launch_elastic(cfg: RunConfig, launch_world: Callable[[RunConfig], Any],
     last world's results and config."""
     from workbench.dist.faults import LOST_RANK_EXIT_CODE
     from workbench.dist.launch import RankError
-    from workbench.training.elastic import lost_ranks, micro_batch
+    from workbench.training.elastic import micro_batch, striking_lose
 
     budget = micro_batch(cfg)  # the first world's micro-batch: the memory a rank has, kept through every change
     while True:
@@ -216,18 +216,21 @@ def _launch_elastic(cfg: RunConfig, launch_world: Callable[[RunConfig], Any],
         except RankError as error:
             if cfg.min_nproc is None or error.exit_code != LOST_RANK_EXIT_CODE:
                 raise
-            lost = lost_ranks(cfg, error.rank)
+            spec = striking_lose(cfg, error.rank)
+            lost = (error.rank,) if spec is None else spec.ranks
             if cfg.nproc - len(lost) < cfg.min_nproc:
                 raise RankError(error.rank, f"{error.message}\nonly {cfg.nproc - len(lost)} rank(s) are left, fewer "
                                 f"than min_nproc={cfg.min_nproc}: the run stops (its checkpoints in {cfg.ckpt_dir} "
                                 f"resume with --resume on more ranks)", error.remote_traceback,
                                 error.exit_code) from error
-            cfg = _shrink(cfg, lost, budget, worlds)
+            cfg = _shrink(cfg, lost, -1 if spec is None else spec.step, budget, worlds)
 
 
-def _shrink(cfg: RunConfig, lost: tuple[int, ...], budget: int, worlds: list[dict[str, Any]]) -> RunConfig:
-    """The next world after the ``lost`` ranks are gone: ``cfg`` on the survivors, resuming from the newest
-    checkpoint (resharded here, before they start) or from step 0 when none was written yet."""
+def _shrink(cfg: RunConfig, lost: tuple[int, ...], struck_step: int, budget: int,
+            worlds: list[dict[str, Any]]) -> RunConfig:
+    """The next world after the ``lost`` ranks are gone (by the ``lose`` spec of ``struck_step``; -1: none named
+    them): ``cfg`` on the survivors, resuming from the newest checkpoint (resharded here, before they start) or from
+    step 0 when none was written yet."""
     from workbench.checkpoint.resume import find_resume_point
     from workbench.checkpoint.store import list_steps, read_manifest
     from workbench.dist.faults import after_shrink, parse_faults
@@ -235,10 +238,8 @@ def _shrink(cfg: RunConfig, lost: tuple[int, ...], budget: int, worlds: list[dic
     from workbench.training.elastic import resized
     from workbench.training.trainer import prepare_resharded_resume
 
-    faults = parse_faults(cfg.inject_fault)
-    struck = next((f.step for f in faults if f.kind == "lose" and set(lost) <= set(f.ranks)), -1)
     smaller = resized(cfg, cfg.nproc - len(lost), budget, resume=bool(list_steps(cfg.ckpt_dir)),
-                      faults_left=after_shrink(faults, struck))
+                      faults_left=after_shrink(parse_faults(cfg.inject_fault), struck_step))
     step = None
     if smaller.resume:
         step = read_manifest(find_resume_point(smaller))["step"]
@@ -418,6 +419,7 @@ def _gather_outside_torchrun(point: Path) -> None:
     import subprocess
 
     from workbench.checkpoint.resume import FULL_STATE
+    from workbench.dist.launch import TORCHRUN_VARIABLES
 
     if (point / FULL_STATE).is_file():
         return
@@ -436,12 +438,6 @@ def _wait_for_gathered(point: Path, timeout: float) -> None:
         if time.time() > deadline:
             raise TimeoutError(f"rank 0 did not gather {point} into {FULL_STATE} within {timeout:g} s (5 x --timeout)")
         time.sleep(0.1)
-
-
-#: What torchrun sets in each process (and ``dist.launch.under_torchrun`` reads); a child without them launches ranks
-#: of its own.
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
 def torchrun_world(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any] | None]:

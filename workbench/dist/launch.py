@@ -187,9 +187,15 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+#: What torchrun sets in each process; ``under_torchrun`` reads the env:// four, and a child without any of them (and
+#: without ``TORCHELASTIC_*``) launches ranks of its own.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                      "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+
+
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another launcher setting the env:// vars)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return all(k in os.environ for k in TORCHRUN_VARIABLES[:4])
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,

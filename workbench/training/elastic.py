@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from workbench.dist.faults import parse_faults
+from workbench.dist.faults import FaultSpec, parse_faults
 from workbench.theory.elastic import elastic_accumulation
 from workbench.training.config import RunConfig
 
@@ -44,8 +44,8 @@ def resized(cfg: RunConfig, world: int, budget: int, resume: bool = True,
                                inject_fault=faults_left)
 
 
-def lost_ranks(cfg: RunConfig, failed_rank: int) -> tuple[int, ...]:
-    """The ranks a ``lose`` took away: the earliest ``lose`` spec still in ``cfg`` (its ranks exit together, as a
-    node's do; the launcher reports whichever it saw die first), or ``failed_rank`` alone."""
+def striking_lose(cfg: RunConfig, failed_rank: int) -> FaultSpec | None:
+    """The ``lose`` spec that took ``failed_rank`` away: the earliest still in ``cfg`` (its ranks exit together, as a
+    node's do; the launcher reports whichever it saw die first), or None where no spec names that rank."""
     lose = next((f for f in parse_faults(cfg.inject_fault) if f.kind == "lose"), None)
-    return lose.ranks if lose is not None and failed_rank in lose.ranks else (failed_rank,)
+    return lose if lose is not None and failed_rank in lose.ranks else None

@@ -271,9 +271,8 @@ def _work(cfg: RunConfig, model: torch.nn.Module, servers: list[int], workers: l
         history.append(metrics)
         report(_streamed(metrics))  # the dashboard's view of this worker's step
         step += 1
-        stopped_early = worker.stopped and not cfg.ps_async and step < cfg.steps
-        if not cfg.ps_async and (ckpt.due(step) or stopped_early and ckpt.keeps_stop(step)):  # the servers save
-            # this step too, after the parameters went out
+        # the servers save this step too, after the parameters went out (keeps_stop: a run stopped early)
+        if not cfg.ps_async and (ckpt.due(step) or worker.stopped and ckpt.keeps_stop(step)):
             ckpt.save(step - 1, {"sampler": {**sampler.state_dict(), "step": step, "data_skip": 0}})
     if cfg.ps_async:
         worker.done()  # the other servers learn from this that no push follows
